@@ -1,0 +1,190 @@
+"""The MHLA layer: projections, optional q/k norms and RoPE, the mixing parameter, the operator.
+
+Usable standalone; family adapters build one per converted attention and move the host's
+pretrained projections and norms into it, so the only new parameters are `mixing` (and the
+optional output norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+from torch import nn
+
+from .mixing import MixingInit, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
+from .ops import MHLAState, init_state, mhla_attention, mhla_recurrent_step
+from .ops.blocks import as_axes
+
+Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class MHLAConfig:
+    """Every MHLA option of one layer (saved verbatim in mhla_config.json).
+
+    blocks: blocks per token-grid axis (non-causal); M = prod(blocks).
+    causal / chunk_size / window: causal layers split tokens into chunks of `chunk_size` and learn
+        one mixing weight per chunk distance up to `window` (see mixing.py), so no length cap.
+    rope: "before_feature_map" rotates q and k with the host's RoPE, then applies φ — the
+        operator's exact semantics, weights stay non-negative; "none" ignores the host's RoPE.
+    output_norm: per-head RMSNorm on the attention output (new parameters, weight 1).
+    """
+
+    blocks: tuple[int, ...] | None = None
+    causal: bool = False
+    chunk_size: int = 64
+    window: int = 8
+    feature_map: str = "relu"
+    normalize: bool = True
+    scale: float | None = None
+    eps: float = 1e-6
+    mixing_init: MixingInit = "locality"
+    learnable_mixing: bool = True
+    per_head_mixing: bool = False
+    output_norm: bool = False
+    rope: Literal["before_feature_map", "none"] = "before_feature_map"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.blocks is not None:
+            self.blocks = as_axes("blocks", self.blocks)
+        if self.rope not in ("before_feature_map", "none"):
+            raise ValueError(f"rope must be 'before_feature_map' or 'none'; got {self.rope!r}")
+        if self.chunk_size < 1 or self.window < 1:
+            raise ValueError(f"chunk_size and window must be ≥ 1; got {self.chunk_size}, {self.window}")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["blocks"] = list(self.blocks) if self.blocks is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MHLAConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "MHLAConfig":
+        return dataclasses.replace(self, **changes)
+
+
+class MHLAttention(nn.Module):
+    """Multi-Head Linear Attention over a token grid (non-causal) or a sequence (causal).
+
+    Submodules: to_q, to_k, to_v, to_out; norm_q / norm_k (Identity unless `qk_norm` is
+    "across_heads" — applied on (B, N, H·D) — or "per_head" — on (B, N, H, D)); out_norm.
+    Parameter `mixing`: (M, M) / (H, M, M) non-causal, (W,) / (H, W) relative causal.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        out_dim: int | None = None,
+        qk_norm: Literal["across_heads", "per_head"] | None = None,
+        config: MHLAConfig | None = None,
+    ):
+        super().__init__()
+        self.config = config = config or MHLAConfig()
+        self.num_heads, self.head_dim = num_heads, head_dim or dim // num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        inner, kv_inner = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.to_q = nn.Linear(dim, inner, bias=qkv_bias)
+        self.to_k = nn.Linear(dim, kv_inner, bias=qkv_bias)
+        self.to_v = nn.Linear(dim, kv_inner, bias=qkv_bias)
+        self.to_out = nn.Linear(inner, out_dim or dim, bias=out_bias)
+        self.qk_norm = qk_norm
+        norm_dim = {"across_heads": (inner, kv_inner), "per_head": (self.head_dim, self.head_dim)}.get(qk_norm)
+        self.norm_q = nn.RMSNorm(norm_dim[0], eps=1e-6) if norm_dim else nn.Identity()
+        self.norm_k = nn.RMSNorm(norm_dim[1], eps=1e-6) if norm_dim else nn.Identity()
+        self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if config.output_norm else nn.Identity()
+        self.mixing = nn.Parameter(self._initial_mixing(), requires_grad=config.learnable_mixing)
+
+    def _initial_mixing(self) -> torch.Tensor:
+        cfg = self.config
+        if cfg.causal:
+            mixing = relative_causal_mixing(cfg.window, cfg.mixing_init)
+        elif cfg.blocks is None:
+            raise ValueError("MHLAConfig.blocks is required for a non-causal layer, e.g. blocks=(4, 4)")
+        else:
+            mixing = initial_mixing(cfg.mixing_init, cfg.blocks)
+        return mixing.expand(self.num_heads, *mixing.shape).clone() if cfg.per_head_mixing else mixing
+
+    @property
+    def num_blocks(self) -> int | None:
+        return None if self.config.causal else self.mixing.shape[-1]
+
+    def project(self, x: torch.Tensor, rotary: Rotary | None = None):
+        """x (B, N, C) → q, k, v as (B, N, H, D), normed and rotated as the host model did."""
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        if self.qk_norm == "across_heads":
+            q, k = self.norm_q(q), self.norm_k(k)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        if self.qk_norm == "per_head":
+            q, k = self.norm_q(q), self.norm_k(k)
+        if rotary is not None and self.config.rope == "before_feature_map":
+            q, k = rotary(q, k)
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.to_out(self.out_norm(o).flatten(-2))
+
+    def _op_options(self) -> dict:
+        cfg = self.config
+        return dict(feature_map=cfg.feature_map, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
+
+    def attend(self, q, k, v, grid=None) -> torch.Tensor:
+        """The operator on projected (B, N, H, D) tensors; `grid` is required when non-causal."""
+        cfg = self.config
+        if cfg.causal:
+            num_chunks = -(-q.shape[1] // cfg.chunk_size)
+            mixing = toeplitz_causal_mixing(self.mixing, num_chunks)
+            return mhla_attention(q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, backend=cfg.backend, **self._op_options())
+        if grid is None:
+            raise ValueError("a non-causal MHLA layer needs the token grid: forward(x, grid=(H, W)) or (T, H, W)")
+        return mhla_attention(q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, backend=cfg.backend, **self._op_options())
+
+    def decode(self, q, k, v, state: MHLAState | None) -> tuple[torch.Tensor, MHLAState]:
+        """Causal attention that continues `state` (None: a fresh sequence) → output, new state.
+
+        A fresh multi-token input runs the parallel form once and builds the state from it
+        (prefill); tokens after that go through the recurrent step, one at a time.
+        """
+        cfg = self.config
+        if not cfg.causal:
+            raise ValueError("decode() is for causal MHLA layers")
+        if state is None or state.position == 0:
+            out = self.attend(q, k, v)
+            return out, init_state(k, v, chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
+        outs = []
+        for t in range(q.shape[1]):
+            o, state = mhla_recurrent_step(state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, **self._op_options())
+            outs.append(o)
+        return torch.cat(outs, dim=1), state
+
+    def forward(self, x: torch.Tensor, grid=None, rotary: Rotary | None = None) -> torch.Tensor:
+        """x (B, N, C) → (B, N, out_dim). `grid`: the token grid (non-causal); `rotary`: a
+        function applying the host's RoPE to (B, N, H, D) q and k."""
+        q, k, v = self.project(x, rotary)
+        return self.output(self.attend(q, k, v, grid))
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        layout = f"window={cfg.window}, chunk={cfg.chunk_size}" if cfg.causal else f"blocks={cfg.blocks}"
+        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, causal={cfg.causal}"
+
+
+def mhla_layers(module: nn.Module) -> list[tuple[str, MHLAttention]]:
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, MHLAttention)]

@@ -1,0 +1,129 @@
+"""Token grid → block layout.
+
+An axis of length L split into b blocks has block size s = ceil(L / b); coordinate c lies in block
+c // s, and flat block ids are row-major over the block grid. Padding the grid up to b·s per axis
+and reshaping gives every block the same token count T = prod(s), which is what makes the torch
+path a handful of batched GEMMs; padded tokens are zeroed *after* the feature map so they add
+nothing to any summary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def as_axes(name: str, value) -> tuple[int, ...]:
+    if isinstance(value, int):
+        value = (value,)
+    try:
+        out = tuple(int(v) for v in value)
+    except TypeError:
+        raise ValueError(f"{name} must be a tuple of ints like (N,), (H, W) or (T, H, W); got {value!r}") from None
+    if not 1 <= len(out) <= 3:
+        raise ValueError(f"{name} must have 1, 2 or 3 axes; got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a row-major token grid maps onto a grid of blocks."""
+
+    grid: tuple[int, ...]
+    blocks: tuple[int, ...]
+    block_size: tuple[int, ...]
+
+    @classmethod
+    def chunked(cls, num_tokens: int, chunk_size: int) -> "BlockLayout":
+        """1-D chunks of exactly `chunk_size` tokens (the last may be shorter): the causal layout,
+        whose boundaries must not move as the sequence grows."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be ≥ 1; got {chunk_size}")
+        return cls((num_tokens,), (-(-num_tokens // chunk_size),), (chunk_size,))
+
+    @classmethod
+    def create(cls, grid, blocks) -> "BlockLayout":
+        grid, blocks = as_axes("grid", grid), as_axes("blocks", blocks)
+        if len(blocks) != len(grid):
+            raise ValueError(f"blocks must have one entry per grid axis (len {len(grid)} for grid {grid}); got {blocks}")
+        for axis, (length, b) in enumerate(zip(grid, blocks)):
+            if length < 1:
+                raise ValueError(f"grid axis {axis} must be ≥ 1; got grid {grid}")
+            if not 1 <= b <= length:
+                raise ValueError(f"blocks[{axis}] must be in [1, {length}] (grid axis {axis} has {length} tokens); got {b}")
+        return cls(grid, blocks, tuple(-(-length // b) for length, b in zip(grid, blocks)))
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def num_blocks(self) -> int:
+        return math.prod(self.blocks)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return math.prod(self.block_size)
+
+    @property
+    def padded_grid(self) -> tuple[int, ...]:
+        return tuple(b * s for b, s in zip(self.blocks, self.block_size))
+
+    @property
+    def needs_padding(self) -> bool:
+        return self.padded_grid != self.grid
+
+    def block_ids(self, device=None) -> torch.Tensor:
+        """Flat block id of every token, shape (N,): the definition, used by the reference."""
+        ids = torch.zeros(self.grid, dtype=torch.long, device=device)
+        for axis, (length, s) in enumerate(zip(self.grid, self.block_size)):
+            shape = [1] * len(self.grid)
+            shape[axis] = length
+            stride = math.prod(self.blocks[axis + 1 :])
+            ids = ids + (torch.arange(length, device=device) // s).view(shape) * stride
+        return ids.reshape(-1)
+
+    def block_centres(self) -> torch.Tensor:
+        """Block-grid coordinates of every block, shape (M, ndim), in block units."""
+        axes = [torch.arange(b, dtype=torch.float64) for b in self.blocks]
+        return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(self.blocks))
+
+    # (B, N, H, D) <-> (B, H, M, T, D)
+    def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Gather tokens block by block: (B, N, H, D) → (B, H, M, T, D), zero-padded."""
+        batch, _, heads, dim = x.shape
+        nd = len(self.grid)
+        x = x.reshape(batch, *self.grid, heads, dim)
+        if self.needs_padding:
+            pad = []
+            for length, padded in zip(reversed(self.grid), reversed(self.padded_grid)):
+                pad += [0, padded - length]
+            x = torch.nn.functional.pad(x, [0, 0, 0, 0] + pad)
+        split = [batch]
+        for b, s in zip(self.blocks, self.block_size):
+            split += [b, s]
+        x = x.reshape(*split, heads, dim)
+        # dims: 0 batch, (1+2a) block axis a, (2+2a) in-block axis a, 1+2nd heads, 2+2nd dim
+        perm = [0, 1 + 2 * nd] + [1 + 2 * a for a in range(nd)] + [2 + 2 * a for a in range(nd)] + [2 + 2 * nd]
+        return x.permute(perm).reshape(batch, heads, self.num_blocks, self.tokens_per_block, dim)
+
+    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_blocks`: (B, H, M, T, D) → (B, N, H, D), padding dropped."""
+        batch, heads, _, _, dim = x.shape
+        nd = len(self.grid)
+        x = x.reshape(batch, heads, *self.blocks, *self.block_size, dim)
+        perm = [0]
+        for a in range(nd):
+            perm += [2 + a, 2 + nd + a]
+        perm += [1, 2 + 2 * nd]
+        x = x.permute(perm).reshape(batch, *self.padded_grid, heads, dim)
+        if self.needs_padding:
+            x = x[(slice(None), *(slice(0, length) for length in self.grid))]
+        return x.reshape(batch, self.num_tokens, heads, dim)
+
+    def token_mask(self, device=None) -> torch.Tensor:
+        """(M, T) bool: which padded slots hold real tokens."""
+        ones = torch.ones(1, self.num_tokens, 1, 1, device=device)
+        return self.to_blocks(ones)[0, 0, :, :, 0].bool()

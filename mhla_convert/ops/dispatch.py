@@ -1,0 +1,60 @@
+"""Backend selection for `mhla_attention`. Kernels register themselves here; `auto` picks the
+first registered backend that accepts the inputs and falls back to torch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("mhla_convert.ops")
+
+# name -> (implementation, supports(q, causal) -> bool)
+_BACKENDS: dict[str, tuple[Callable, Callable[[torch.Tensor, bool], bool]]] = {}
+_logged: set[tuple] = set()
+
+
+def register_backend(name: str, impl: Callable, supports: Callable[[torch.Tensor, bool], bool]) -> None:
+    _BACKENDS[name] = (impl, supports)
+
+
+def _torch_impl():
+    from .mhla import mhla_attention_torch
+
+    return mhla_attention_torch
+
+
+def available_backends() -> list[str]:
+    _load_optional_backends()
+    return ["torch", *sorted(_BACKENDS)]
+
+
+def _load_optional_backends() -> None:
+    try:  # kernels register on import; absent or broken Triton just means torch only
+        import mhla_convert.kernels  # noqa: F401
+    except ImportError:
+        pass
+
+
+def select_backend(backend: str, q: torch.Tensor, *, causal: bool) -> Callable:
+    if backend == "torch":
+        return _torch_impl()
+    _load_optional_backends()
+    if backend == "auto":
+        for name, (impl, supports) in _BACKENDS.items():
+            if supports(q, causal):
+                _log_once(name, q, causal)
+                return impl
+        _log_once("torch", q, causal)
+        return _torch_impl()
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {['auto', *available_backends()]}; got {backend!r}")
+    return _BACKENDS[backend][0]
+
+
+def _log_once(name: str, q: torch.Tensor, causal: bool) -> None:
+    key = (name, q.device.type, q.dtype, causal)
+    if key not in _logged:
+        _logged.add(key)
+        logger.debug("mhla_attention: %s backend for %s %s causal=%s", name, q.device.type, q.dtype, causal)

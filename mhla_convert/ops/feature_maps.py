@@ -1,0 +1,27 @@
+"""Feature maps φ for linear attention. They must be non-negative so that every weight
+w_ts = m·φ(q_t)·φ(k_s) is, which keeps the normaliser positive."""
+
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+
+FeatureMap = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1.0
+
+
+FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "elu": _elu_plus_one}
+
+
+def resolve_feature_map(feature_map: FeatureMap) -> Callable[[torch.Tensor], torch.Tensor]:
+    if callable(feature_map):
+        return feature_map
+    try:
+        return FEATURE_MAPS[feature_map]
+    except KeyError:
+        raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}") from None

@@ -1,0 +1,142 @@
+"""Multi-Head Linear Attention: the public operator and its PyTorch implementation.
+
+Semantics (paper §4, App. C), the contract every backend must meet:
+
+    w_ts = mixing[b(t), b(s)] · scale · φ(q_t)·φ(k_s)       over all s   (s ≤ t when causal)
+    o_t  = Σ_s w_ts v_s / (Σ_s w_ts + eps)                  (no denominator if normalize=False)
+
+The torch path never forms w: it builds one key–value summary per block (S_b = Σ φ(k) vᵀ,
+z_b = Σ φ(k)), mixes them with one GEMM (S̃_i = Σ_b m_ib S_b) and reads each query out against its
+block's mixture — O(N·d² + M²·d²). The causal path is the chunkwise form: closed chunks enter
+through the strictly-lower part of the mixing, the query's own chunk through a masked C×C product
+weighted by the diagonal.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .blocks import BlockLayout, as_axes
+from .feature_maps import FeatureMap, resolve_feature_map
+
+Backend = Literal["auto", "torch", "triton"]
+
+
+def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> BlockLayout:
+    """Validate shapes (never values: no device sync) and return the block layout."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, N, H, D); got shape {tuple(t.shape)}")
+    batch, n, heads, dim = q.shape
+    if k.shape[:2] != (batch, n) or k.shape[3] != dim:
+        raise ValueError(f"k must be (B={batch}, N={n}, H_kv, D={dim}); got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be (B={batch}, N={n}, H_kv={k.shape[2]}, D_v); got {tuple(v.shape)}")
+    if heads % k.shape[2]:
+        raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({k.shape[2]})")
+    if causal:
+        if grid is not None and len(as_axes("grid", grid)) != 1:
+            raise ValueError(f"causal attention needs a 1-D grid (N,); got grid {grid}")
+        if chunk_size is not None:
+            if blocks is not None:
+                raise ValueError("give either blocks or chunk_size for causal attention, not both")
+            layout = BlockLayout.chunked(n, chunk_size)
+        else:
+            layout = BlockLayout.create(grid if grid is not None else (n,), blocks)
+    else:
+        if chunk_size is not None:
+            raise ValueError("chunk_size is only for causal attention; use blocks")
+        if grid is None:
+            raise ValueError("grid is required for non-causal attention: (N,), (H, W) or (T, H, W)")
+        layout = BlockLayout.create(grid, blocks)
+    if layout.num_tokens != n:
+        raise ValueError(f"prod(grid) must equal N={n}; got grid {layout.grid} (prod {layout.num_tokens})")
+    m = layout.num_blocks
+    if tuple(mixing.shape) not in ((m, m), (heads, m, m)):
+        raise ValueError(f"mixing must be (M, M) = ({m}, {m}) or (H, M, M) = ({heads}, {m}, {m}); got {tuple(mixing.shape)}")
+    return layout
+
+
+def mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    *,
+    grid=None,
+    blocks=None,
+    causal: bool = False,
+    chunk_size: int | None = None,
+    feature_map: FeatureMap = "relu",
+    normalize: bool = True,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Multi-Head Linear Attention.
+
+    Args:
+        q, k, v: (B, N, H, D), (B, N, H_kv, D), (B, N, H_kv, D_v), projected and before φ.
+            H_kv must divide H (GQA: query head h reads k/v head h // (H / H_kv)).
+        mixing: non-negative (M, M), or (H, M, M) per head; row i weights the key-block
+            summaries read by query block i. Only the lower triangle is read when causal.
+        grid: token grid in row-major order, (N,), (H, W) or (T, H, W); prod(grid) == N.
+        blocks: blocks per grid axis; M = prod(blocks). Axis length L in b blocks has block size
+            ceil(L / b); the last block may be smaller.
+        causal: causal attention over a 1-D grid; blocks are then chunks.
+        chunk_size: causal only, instead of `blocks`: chunks of exactly this many tokens, so
+            chunk boundaries stay put as the sequence grows (what decoding needs).
+        feature_map: "relu", "elu" (elu + 1) or a callable.
+        normalize: divide by Σ_s w_ts + eps; False returns the numerator alone.
+        scale: multiplies φ(q)·φ(k); default D ** -0.5.
+        backend: "torch", "triton" or "auto" (fastest available for these inputs).
+
+    Returns (B, N, H, D_v) in q's dtype; accumulation is float32 for half-precision inputs.
+    """
+    layout = check_inputs(q, k, v, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
+    phi = resolve_feature_map(feature_map)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    from .dispatch import select_backend
+
+    impl = select_backend(backend, q, causal=causal)
+    return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+
+
+def _grouped_mixing(mixing: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """(M, M) → (1, 1, M, M); (H, M, M) → (H_kv, g, M, M): broadcastable against grouped heads."""
+    m = mixing.shape[-1]
+    if mixing.dim() == 2:
+        return mixing.view(1, 1, m, m)
+    return mixing.view(kv_heads, groups, m, m)
+
+
+def mhla_attention_torch(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
+    """The PyTorch backend: block summaries → one mixing GEMM → readout (chunkwise when causal)."""
+    batch, _, heads, _ = q.shape
+    kv_heads, groups, dv = k.shape[2], heads // k.shape[2], v.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    m, t = layout.num_blocks, layout.tokens_per_block
+
+    # φ before padding: padded slots stay exactly zero, whatever φ(0) is.
+    qb = layout.to_blocks(phi(q.to(acc)) * scale).view(batch, kv_heads, groups, m, t, -1)
+    kb = layout.to_blocks(phi(k.to(acc))).unsqueeze(2)  # (B, H_kv, 1, M, T, D)
+    vb = layout.to_blocks(v.to(acc)).unsqueeze(2)  # (B, H_kv, 1, M, T, Dv)
+    mix = _grouped_mixing(mixing.to(acc), kv_heads, groups)
+
+    s = kb.transpose(-1, -2) @ vb  # (B, H_kv, 1, M, D, Dv)
+    z = kb.sum(-2)  # (B, H_kv, 1, M, D)
+    if causal:
+        mix, diag = mix.tril(-1), mix.diagonal(dim1=-2, dim2=-1)[..., None, None]
+    s_mix = torch.matmul(mix, s.flatten(-2)).unflatten(-1, s.shape[-2:])  # (B, H_kv, g, M, D, Dv)
+    num = qb @ s_mix
+    if normalize:
+        den = qb @ torch.matmul(mix, z).unsqueeze(-1)  # (B, H_kv, g, M, T, 1)
+    if causal:
+        a = (qb @ kb.transpose(-1, -2)).tril() * diag  # intra-chunk weights, (B, H_kv, g, M, T, T)
+        num = num + a @ vb
+        if normalize:
+            den = den + a.sum(-1, keepdim=True)
+    out = num / (den + eps) if normalize else num
+    return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)

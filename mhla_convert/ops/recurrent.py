@@ -1,0 +1,124 @@
+"""Recurrent (token-by-token) causal MHLA for decoding, with a relative (Toeplitz) mixing.
+
+With m_ij = r[min(i − j, W − 1)], query chunk i reads
+    P_i = Σ_{δ=1}^{W-2} r[δ] S_{i−δ} + r[W−1] · Σ_{j ≤ i−W+1} S_j + r[0] · (current chunk so far),
+so the state keeps the current chunk's summary, the last W−2 closed chunk summaries and one
+running sum of everything older — its size never grows with the sequence:
+
+    floats per layer = (W + 1) · B · H_kv · D · (D_v + 1)        (kept in float32)
+
+and each token costs O(W · D · D_v), whatever its position. Outputs equal the chunkwise parallel
+form (`mhla_attention(..., causal=True, chunk_size=C)` with `toeplitz_causal_mixing(r, M)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import BlockLayout
+from .feature_maps import FeatureMap, resolve_feature_map
+
+
+@dataclass
+class MHLAState:
+    chunk_size: int
+    window: int
+    position: int  # tokens consumed so far
+    cur_s: torch.Tensor  # (B, H_kv, D, Dv): the open chunk
+    cur_z: torch.Tensor  # (B, H_kv, D)
+    recent_s: torch.Tensor  # (B, H_kv, K, D, Dv), K ≤ W − 2 closed chunks, oldest first
+    recent_z: torch.Tensor  # (B, H_kv, K, D)
+    far_s: torch.Tensor  # (B, H_kv, D, Dv): sum of all older closed chunks
+    far_z: torch.Tensor  # (B, H_kv, D)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cur_s, self.cur_z, self.recent_s, self.recent_z, self.far_s, self.far_z))
+
+    def map(self, fn) -> "MHLAState":
+        """Apply fn to every tensor (device moves, beam reordering)."""
+        tensors = {f: fn(getattr(self, f)) for f in ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z")}
+        return MHLAState(self.chunk_size, self.window, self.position, **tensors)
+
+
+def _keep(window: int) -> int:
+    return max(window - 2, 0)
+
+
+def init_state(k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, window: int, feature_map: FeatureMap = "relu") -> MHLAState:
+    """State after the prefix k, v of shape (B, L, H_kv, D) / (B, L, H_kv, Dv); L may be 0."""
+    batch, length, kv_heads, dim = k.shape
+    acc = torch.promote_types(k.dtype, torch.float32)
+    dv = v.shape[-1]
+    zeros = lambda *shape: torch.zeros(*shape, dtype=acc, device=k.device)  # noqa: E731
+    if length == 0:
+        s, z = zeros(batch, kv_heads, 0, dim, dv), zeros(batch, kv_heads, 0, dim)
+    else:
+        layout = BlockLayout.chunked(length, chunk_size)
+        kb = layout.to_blocks(resolve_feature_map(feature_map)(k.to(acc)))
+        s, z = kb.transpose(-1, -2) @ layout.to_blocks(v.to(acc)), kb.sum(-2)
+    closed = length // chunk_size
+    if length % chunk_size:
+        cur_s, cur_z = s[:, :, closed], z[:, :, closed]
+    else:
+        cur_s, cur_z = zeros(batch, kv_heads, dim, dv), zeros(batch, kv_heads, dim)
+    keep = min(_keep(window), closed)
+    return MHLAState(
+        chunk_size, window, length, cur_s, cur_z,
+        s[:, :, closed - keep : closed], z[:, :, closed - keep : closed],
+        s[:, :, : closed - keep].sum(2), z[:, :, : closed - keep].sum(2),
+    )
+
+
+def _grouped(relative: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """(W,) → (1, 1, W); (H, W) → (H_kv, g, W)."""
+    return relative.view(1, 1, -1) if relative.dim() == 1 else relative.view(kv_heads, groups, -1)
+
+
+def mhla_recurrent_step(
+    state: MHLAState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, *,
+    feature_map: FeatureMap = "relu", normalize: bool = True, scale: float | None = None, eps: float = 1e-6,
+) -> tuple[torch.Tensor, MHLAState]:
+    """One token: q (B, 1, H, D), k (B, 1, H_kv, D), v (B, 1, H_kv, Dv), relative (W,) or (H, W)
+    → output (B, 1, H, Dv) and the new state (the old one is left untouched)."""
+    if q.shape[1] != 1 or k.shape[1] != 1 or v.shape[1] != 1:
+        raise ValueError(f"a recurrent step takes one token: q, k, v must be (B, 1, H, D); got {tuple(q.shape)}")
+    if relative.shape[-1] != state.window or relative.dim() not in (1, 2):
+        raise ValueError(f"relative mixing must be (W,) or (H, W) with W = {state.window}; got {tuple(relative.shape)}")
+    phi = resolve_feature_map(feature_map)
+    batch, _, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    acc = state.cur_s.dtype
+    scale = dim**-0.5 if scale is None else scale
+
+    fk, fv = phi(k[:, 0].to(acc)), v[:, 0].to(acc)  # (B, H_kv, D), (B, H_kv, Dv)
+    cur_s = state.cur_s + fk.unsqueeze(-1) * fv.unsqueeze(-2)
+    cur_z = state.cur_z + fk
+
+    r = _grouped(relative.to(acc), kv_heads, groups)  # (·, ·, W)
+    n_recent = state.recent_s.shape[2]
+    w_recent = r[..., 1 : n_recent + 1].flip(-1).unsqueeze(-2)  # (·, ·, 1, K): distance K … 1
+    w_far, w_self = r[..., -1, None], r[..., 0, None]  # (·, ·, 1)
+
+    def mixed(recent, far, cur):  # → (B, H_kv, g, X)
+        past = (w_recent @ recent.flatten(3).unsqueeze(2)).squeeze(-2) if n_recent else 0.0
+        return past + w_far * far.flatten(2).unsqueeze(2) + w_self * cur.flatten(2).unsqueeze(2)
+
+    fq = (phi(q[:, 0].to(acc)) * scale).view(batch, kv_heads, groups, 1, dim)
+    out = (fq @ mixed(state.recent_s, state.far_s, cur_s).unflatten(-1, (dim, -1))).squeeze(-2)
+    if normalize:
+        den = (fq @ mixed(state.recent_z, state.far_z, cur_z).unsqueeze(-1)).squeeze(-2)
+        out = out / (den + eps)
+
+    position = state.position + 1
+    recent_s, recent_z, far_s, far_z = state.recent_s, state.recent_z, state.far_s, state.far_z
+    if position % state.chunk_size == 0:  # the chunk is complete: close it
+        recent_s, recent_z = torch.cat([recent_s, cur_s.unsqueeze(2)], 2), torch.cat([recent_z, cur_z.unsqueeze(2)], 2)
+        if recent_s.shape[2] > _keep(state.window):
+            far_s, far_z = far_s + recent_s[:, :, 0], far_z + recent_z[:, :, 0]
+            recent_s, recent_z = recent_s[:, :, 1:], recent_z[:, :, 1:]
+        cur_s, cur_z = torch.zeros_like(cur_s), torch.zeros_like(cur_z)
+    new = MHLAState(state.chunk_size, state.window, position, cur_s, cur_z, recent_s, recent_z, far_s, far_z)
+    return out.reshape(batch, 1, heads, -1).to(q.dtype), new

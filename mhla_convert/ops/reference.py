@@ -1,0 +1,43 @@
+"""The deliberately slow, obviously-correct O(N²) MHLA: it writes out every weight w_ts. Tests
+use it as the oracle for every fast path; it shares nothing with them but the feature maps."""
+
+from __future__ import annotations
+
+import torch
+
+from .feature_maps import FeatureMap, resolve_feature_map
+from .mhla import check_inputs
+
+
+def mhla_weights_reference(
+    q, k, mixing, *, grid=None, blocks=None, causal=False, chunk_size=None, feature_map: FeatureMap = "relu", scale=None
+) -> torch.Tensor:
+    """The explicit (B, H, N, N) weight matrix w_ts = m[b(t), b(s)]·scale·φ(q_t)·φ(k_s)."""
+    layout = check_inputs(q, k, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
+    phi = resolve_feature_map(feature_map)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    heads, n = q.shape[2], q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k = k.repeat_interleave(heads // k.shape[2], dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", phi(q.to(acc)) * scale, phi(k.to(acc)))
+    ids = layout.block_ids(device=q.device)
+    per_head = mixing.to(acc).expand(heads, *mixing.shape[-2:])
+    w = scores * per_head[:, ids][:, :, ids]
+    if causal:
+        w = w * torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return w
+
+
+def mhla_attention_reference(
+    q, k, v, mixing, *, grid=None, blocks=None, causal=False, chunk_size=None,
+    feature_map: FeatureMap = "relu", normalize=True, scale=None, eps=1e-6,
+) -> torch.Tensor:
+    """o_t = Σ_s w_ts v_s / (Σ_s w_ts + eps), straight from the definition."""
+    w = mhla_weights_reference(
+        q, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size, feature_map=feature_map, scale=scale
+    )
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2).to(w.dtype)
+    out = torch.einsum("bhts,bshe->bthe", w, v)
+    if normalize:
+        out = out / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
+    return out.to(q.dtype)
