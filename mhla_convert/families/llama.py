@@ -1,0 +1,151 @@
+"""Llama-style causal LMs (transformers): Llama, Qwen2, Qwen3, Mistral.
+
+`model.model.layers[i].self_attn` becomes an `MHLALlamaAttention` that keeps the host's call
+signature and return value, so the decoder layer runs unchanged. The host's q/k/v/o projections
+(Qwen2: with biases) and Qwen3's per-head q/k RMSNorms move in as they are; only `mixing` is new.
+Decoding keeps a fixed-size recurrent state in the generation cache (see lm_cache.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layer import MHLAConfig, MHLAttention
+from ..lm_cache import mhla_cache_layer
+from .base import FamilyAdapter, register
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The hosts' `apply_rotary_pos_emb` (half-split RoPE) on (B, N, H, D) tensors; cos, sin (B, N, D)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
+    """(B, n) bool: which of the current n tokens are not padding; None when all are (or unknown).
+
+    The decoder layer gets the mask already expanded: 2-D (B, KV) for flash attention, or 4-D
+    (B, 1, n, KV), bool (True = attend) or additive float (0 = attend). A token is real iff it may
+    attend to itself, the diagonal of its last n key columns.
+    """
+    if not isinstance(attention_mask, torch.Tensor):
+        return None
+    if attention_mask.dim() == 2:
+        real = attention_mask[:, -n:].bool()
+    elif attention_mask.dim() == 4 and attention_mask.shape[-2] == n:
+        idx = torch.arange(n, device=attention_mask.device)
+        diag = attention_mask[:, 0, idx, attention_mask.shape[-1] - n + idx]
+        real = diag if diag.dtype == torch.bool else diag == 0
+    else:
+        return None
+    return None if bool(real.all()) else real
+
+
+class MHLALlamaAttention(MHLAttention):
+    """Causal MHLA in place of a Llama-style `self_attn`, called and returning as the host does."""
+
+    def __init__(self, host: nn.Module, config: MHLAConfig):
+        head_dim = host.head_dim
+        qk_norm = "per_head" if hasattr(host, "q_norm") else None
+        with torch.device("meta"):  # every projection is replaced by the host's: don't allocate/init twice
+            super().__init__(
+                host.q_proj.in_features, host.q_proj.out_features // head_dim, head_dim=head_dim,
+                num_kv_heads=host.k_proj.out_features // head_dim, qkv_bias=host.q_proj.bias is not None,
+                out_bias=host.o_proj.bias is not None, out_dim=host.o_proj.out_features, qk_norm=qk_norm, config=config,
+            )
+        self.layer_idx = host.layer_idx
+        self.to_q, self.to_k, self.to_v, self.to_out = host.q_proj, host.k_proj, host.v_proj, host.o_proj
+        if qk_norm:
+            self.norm_q, self.norm_k = host.q_norm, host.k_norm
+        device = host.q_proj.weight.device
+        if config.output_norm:
+            self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6, device=device)
+        self.mixing = nn.Parameter(self._initial_mixing().to(device), requires_grad=config.learnable_mixing)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        """Host signature; `position_ids`, `use_cache`, `cache_position` arrive in kwargs and are
+        not needed: RoPE comes in `position_embeddings`, the state's position in the cache."""
+        cos, sin = position_embeddings
+        q, k, v = self.project(hidden_states, lambda q, k: apply_rotary(q, k, cos, sin))
+        real = _real_tokens(attention_mask, q.shape[1])
+        if real is not None:  # padding adds nothing to any summary: φ(k) = 0 for relu and elu
+            k = k.masked_fill(~real[:, :, None, None], torch.finfo(k.dtype).min)
+        if past_key_values is None:
+            out = self.attend(q, k, v)
+        else:
+            slot = mhla_cache_layer(past_key_values, self.layer_idx)
+            out, slot.state = self.decode(q, k, v, slot.state)
+        return self.output(out), None
+
+
+HUB = {
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+}
+
+
+@register
+class LlamaAdapter(FamilyAdapter):
+    name = "llama"
+    library = "transformers"
+    model_classes = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    aliases = HUB
+    causal = True
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [layer.self_attn for layer in model.model.layers]
+
+    def default_blocks(self, model: nn.Module) -> None:
+        return None
+
+    def default_options(self, model: nn.Module) -> dict[str, Any]:
+        # chunk 64 as the paper's LM; window 8: distinct weights for the last ~450 tokens, one shared
+        # weight beyond, and a state of 9 chunk summaries (docs/language-models.md).
+        return {"chunk_size": 64, "window": 8, "feature_map": "relu", "normalize": True, "mixing_init": "locality"}
+
+    def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
+        layer = model.model.layers[index]
+        layer.self_attn = MHLALlamaAttention(layer.self_attn, config)
+        return layer.self_attn
+
+    def tiny_config(self) -> dict[str, Any]:
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, architectures=["LlamaForCausalLM"],
+        )
+        return config.to_dict()
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        hf_config = CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        return AutoModelForCausalLM.from_config(hf_config)
+
+    def load_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+
+    def model_config(self, model: nn.Module) -> dict[str, Any]:
+        # `architectures` is what adapter_for_config detects the family from; a model built from a
+        # config (not from_pretrained) lacks it.
+        return {**model.config.to_dict(), "architectures": [type(model).__name__]}

@@ -1,0 +1,211 @@
+"""The Llama-style LM family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm), Mistral
+(sliding window) — tiny random models, no downloads."""
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.cache_utils import DynamicCache
+
+from mhla_convert.convert import convert
+from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model
+from mhla_convert.families.llama import MHLALlamaAttention, apply_rotary
+from mhla_convert.lm_cache import MHLACacheLayer
+from mhla_convert.mixing import toeplitz_causal_mixing
+from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0)
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY)),  # q/k/v bias by default
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=24)),  # q/k norm; head_dim ≠ hidden / heads
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=16)),
+}
+C = 8  # chunk size in the tiny tests: a 40-token prompt spans 5 chunks
+
+
+def tiny(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return FAMILIES[family]().eval()
+
+
+def ids(batch=2, length=40, seed=1):
+    return torch.randint(1, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, prompt, new=20, **kw):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_move_in_and_shapes_stay(family):
+    model = tiny(family)
+    hosts = [layer.self_attn for layer in model.model.layers]
+    x = ids()
+    logits = model(x).logits
+    before = sum(p.numel() for p in model.parameters())
+    report = convert(model, ratio=1.0, chunk_size=C)
+    for host, layer in zip(hosts, model.model.layers):
+        new = layer.self_attn
+        assert isinstance(new, MHLALlamaAttention) and new.layer_idx == host.layer_idx
+        assert (new.to_q, new.to_k, new.to_v, new.to_out) == (host.q_proj, host.k_proj, host.v_proj, host.o_proj)
+        assert (new.to_q.bias is not None) == (family == "qwen2")
+        if family == "qwen3":
+            assert (new.norm_q, new.norm_k) == (host.q_norm, host.k_norm)
+        assert not any(p.is_meta for p in new.parameters())
+    assert sum(p.numel() for p in model.parameters()) == before + report.params_added == before + 4 * 8
+    assert model(x).logits.shape == logits.shape
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_equals_explicit_reference_and_host_projection(family):
+    model = tiny(family)
+    teacher = copy.deepcopy(model.model.layers[1].self_attn)
+    convert(model, layers=[1], chunk_size=C)
+    attn = model.model.layers[1].self_attn
+    x = torch.randn(2, 37, 64)
+    pos = torch.arange(37)[None].expand(2, -1)
+    cos, sin = model.model.rotary_emb(x, pos)
+    kwargs = dict(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None, position_ids=pos,
+                  past_key_values=None, use_cache=False)
+    out, weights = attn(**kwargs)
+    t_out, _ = teacher(**kwargs)  # the teacher takes the same call
+    assert weights is None and out.shape == t_out.shape
+
+    q, k, v = attn.project(x, lambda q, k: apply_rotary(q, k, cos, sin))
+    ref = attn.output(mhla_attention_reference(
+        q, k, v, toeplitz_causal_mixing(attn.mixing, -(-37 // C)), causal=True, chunk_size=C))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+    # q and k are the host's, after its own RoPE (its (B, H, N, D) layout)
+    host_rope = __import__(type(teacher).__module__, fromlist=["x"]).apply_rotary_pos_emb
+    hq = teacher.q_proj(x).view(2, 37, -1, teacher.head_dim)
+    hk = teacher.k_proj(x).view(2, 37, -1, teacher.head_dim)
+    if family == "qwen3":
+        hq, hk = teacher.q_norm(hq), teacher.k_norm(hk)
+    hq, hk = host_rope(hq.transpose(1, 2), hk.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(q, hq.transpose(1, 2))
+    torch.testing.assert_close(k, hk.transpose(1, 2))
+
+
+@pytest.mark.parametrize("ratio, expected", [(0.0, []), (0.5, [1, 3]), (1.0, [0, 1, 2, 3])])
+def test_ratios(ratio, expected):
+    model = tiny("llama")
+    x = ids()
+    logits = model(x).logits
+    report = convert(model, ratio=ratio, chunk_size=C)
+    assert report.converted == expected
+    assert [isinstance(layer.self_attn, MHLALlamaAttention) for layer in model.model.layers] == [i in expected for i in range(4)]
+    if not expected:
+        assert torch.equal(model(x).logits, logits)
+
+
+def test_explicit_layers():
+    model = tiny("qwen3")
+    assert convert(model, layers=[0, 2], chunk_size=C).converted == [0, 2]
+    assert model(ids()).logits.shape == (2, 40, 128)
+
+
+@pytest.mark.parametrize("family, ratio", [("llama", 1.0), ("llama", 0.5), ("qwen2", 0.5), ("qwen3", 1.0), ("mistral", 0.5)])
+def test_generate_with_cache_equals_without(family, ratio):
+    model = tiny(family)
+    convert(model, ratio=ratio, chunk_size=C)
+    prompt = ids()
+    cached = greedy(model, prompt, return_dict_in_generate=True)
+    assert torch.equal(cached.sequences, greedy(model, prompt, use_cache=False))
+    cache = cached.past_key_values
+    converted = [isinstance(layer.self_attn, MHLALlamaAttention) for layer in model.model.layers]
+    assert [isinstance(slot, MHLACacheLayer) for slot in cache.layers] == converted
+    assert cache.get_seq_length() == 59 and all(slot.get_seq_length() == 59 for slot in cache.layers)
+
+
+def test_beam_search_reorders_the_state():
+    model = tiny("llama")
+    convert(model, ratio=0.5, chunk_size=C)
+    prompt = ids()
+    beams = greedy(model, prompt, new=12, num_beams=3)
+    assert torch.equal(beams, greedy(model, prompt, new=12, num_beams=3, use_cache=False))
+
+
+def test_far_longer_than_the_window_and_cached_steps_match_parallel():
+    """80 chunks = 10x the window: the relative mixing covers any length, and decoding token by
+    token from a prefill gives the parallel form's logits."""
+    model = tiny("llama")
+    convert(model, ratio=1.0, chunk_size=C, window=8)
+    x = ids(batch=1, length=80 * C)
+    full = model(x).logits
+    assert torch.isfinite(full).all()
+    cache = DynamicCache(config=model.config)
+    steps = [model(x[:, :600], past_key_values=cache, use_cache=True).logits]
+    for t in range(600, x.shape[1]):
+        steps.append(model(x[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == x.shape[1]
+
+
+def test_bf16_model_runs_and_generates():
+    model = tiny("qwen3")
+    convert(model, ratio=0.5, chunk_size=C)
+    model.to(torch.bfloat16)
+    prompt = ids()
+    logits = model(prompt).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    assert greedy(model, prompt, new=5).shape == (2, 45)
+
+
+def test_left_padding_adds_nothing():
+    """A row left-padded by whole chunks gives its real tokens the same logits as unpadded."""
+    model = tiny("llama")
+    convert(model, ratio=1.0, chunk_size=C)
+    x = ids(batch=1, length=24)
+    alone = model(x).logits
+    padded = torch.cat([torch.full((1, 2 * C), 7), x], 1)  # not the pad id: its embedding is not zero
+    batch = torch.cat([padded, ids(batch=1, length=40, seed=2)])
+    mask = torch.ones_like(batch)
+    mask[0, : 2 * C] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(batch, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(out[0, 2 * C :], alone[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1], model(batch[1:]).logits[0], atol=1e-5, rtol=1e-4)
+
+
+def test_cache_refuses_what_a_state_cannot_do():
+    model = tiny("llama")
+    convert(model, layers=[0], chunk_size=C)
+    cache = DynamicCache(config=model.config)
+    model(ids(), past_key_values=cache, use_cache=True)
+    slot = cache.layers[0]
+    assert isinstance(slot, MHLACacheLayer) and not cache.is_croppable
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+    with pytest.raises(RuntimeError, match="recurrent state"):
+        cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+
+
+def test_state_size_formula():
+    """W·B·H_kv·D·(D_v + 1) float32 values, whatever the length: the open chunk, W − 2 recent
+    chunks and one running sum of older ones (ops/recurrent.py's docstring says W + 1)."""
+    k, v = torch.randn(2, 300, 8, 16), torch.randn(2, 300, 8, 16)
+    state = init_state(k, v, chunk_size=C, window=8)
+    assert isinstance(state, MHLAState) and state.nbytes() == 8 * 2 * 8 * 16 * 17 * 4
+
+
+def test_adapter_builds_and_detects():
+    adapter = adapter_for_family("llama")
+    model = adapter.build(adapter.tiny_config())
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 2
+    for family in FAMILIES:
+        model = tiny(family)
+        config = adapter_for_model(model).model_config(model)
+        assert isinstance(adapter_for_config(config), type(adapter))
+        rebuilt = adapter.build(config)
+        assert type(rebuilt) is type(model) and adapter.model_config(rebuilt) == config
+    assert adapter.aliases["llama-3.2-1b"] == "meta-llama/Llama-3.2-1B"
+    assert adapter.default_options(model)["chunk_size"] == 64
