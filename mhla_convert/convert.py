@@ -90,6 +90,8 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     if unknown:
         raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known - {'blocks', 'causal'})}")
     blocks = _parse_blocks(blocks)
+    if adapter.causal and blocks is not None:
+        raise ValueError(f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
     if not adapter.causal:
         default = adapter.default_blocks(model)
         blocks = blocks or default
@@ -104,5 +106,13 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
         new = adapter.convert_layer(model, i, config)
         added = sum(p.numel() for n, p in new.named_parameters() if n == "mixing" or n.startswith("out_norm"))
         report.layers.append(LayerReport(i, config.blocks, adapter.native_grid(model), added))
-    setattr(model, PLAN_ATTR, {"family": adapter.name, "layers": indices, "mhla_config": config.to_dict()})
+    setattr(model, PLAN_ATTR, {"family": adapter.name, "num_layers": len(attention), "layers": indices, "mhla_config": config.to_dict()})
     return report
+
+
+def apply_plan(model: nn.Module, plan: dict[str, Any]) -> ConversionReport:
+    """Redo a saved conversion (`model.mhla_plan`) on a freshly built base model."""
+    options = dict(plan["mhla_config"])
+    blocks = options.pop("blocks")
+    options.pop("causal")
+    return convert(model, layers=plan["layers"], blocks=None if blocks is None else tuple(blocks), **options)

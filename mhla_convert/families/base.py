@@ -107,10 +107,20 @@ class FamilyAdapter:
         the new module, and return the new module."""
         raise NotImplementedError
 
+    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1) -> dict[str, Any]:
+        """Random keyword inputs for `model(**inputs)` on a token `grid` (diffusers) or of
+        `grid[0]` tokens (LMs): what the demo, tests and smoke checks feed a model."""
+        raise NotImplementedError
+
     # --- building models -------------------------------------------------------------------
     def tiny_config(self) -> dict[str, Any]:
         """A config for a tiny random-weight model of this family (tests, demo, offline use)."""
         raise NotImplementedError
+
+    def tiny_configs(self) -> dict[str, dict[str, Any]]:
+        """Every built-in tiny model of this family by name; a family with variants (Wan T2V and
+        I2V) overrides this, the rest get `tiny-<family>` from `tiny_config()`."""
+        return {f"tiny-{self.name}": self.tiny_config()}
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         """A randomly initialised base model from a config dict."""

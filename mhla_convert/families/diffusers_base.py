@@ -1,0 +1,211 @@
+"""What the diffusers families share: the drop-in MHLA attention module, the token-grid capture,
+and an adapter base that only needs to be told where self-attention lives.
+
+Why a drop-in module rather than a new processor: the converted layer must be an `MHLAttention`
+(so `mhla_layers`, `clamp_mixing_` and training find `mixing`) and accept the host attention's
+exact call, so the host block runs unchanged and a deep copy of the original attention (the
+distillation teacher) can be called with the very args/kwargs a forward hook sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, ClassVar
+
+import diffusers
+import torch
+from torch import nn
+
+from ..layer import MHLAConfig, MHLAttention
+from ..ops import mhla_attention
+from .base import FamilyAdapter, UnsupportedModelError
+
+GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
+
+
+class TokenGrid:
+    """A forward pre-hook on the model that records the post-patch token grid of each call.
+
+    Diffusers transformers compute the grid inside forward and never pass it to attention, so it
+    is read off the model input (B, C, [F,] H, W) and the patch size — never assumed square.
+    """
+
+    def __init__(self, patch_size: tuple[int, ...]):
+        self.patch_size = patch_size
+        self.grid: tuple[int, ...] | None = None
+
+    def __call__(self, module, args, kwargs) -> None:
+        x = args[0] if args else kwargs["hidden_states"]
+        self.grid = tuple(size // p for size, p in zip(x.shape[-len(self.patch_size):], self.patch_size))
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE on (B, N, H, D): rotates interleaved (even, odd) channel pairs, same ops as
+    `WanAttnProcessor`, so teacher and student see bitwise the same rotated q and k."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+
+
+def fitted_blocks(grid: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """Blocks clamped to a grid smaller than the layout, and which of the M blocks remain.
+
+    An axis of L < b tokens in b blocks has one token per block and b - L empty blocks; empty
+    blocks add nothing, so this is the same attention as the full layout with those blocks dropped
+    from the mixing matrix. Returns (blocks, None) when nothing needs clamping.
+    """
+    fitted = tuple(min(g, b) for g, b in zip(grid, blocks))
+    if fitted == tuple(blocks):
+        return fitted, None
+    coords = torch.meshgrid(*(torch.arange(f) for f in fitted), indexing="ij")
+    strides = [math.prod(blocks[a + 1:]) for a in range(len(blocks))]
+    return fitted, sum(c.reshape(-1) * s for c, s in zip(coords, strides))
+
+
+class DiffusersMHLA(MHLAttention):
+    """MHLA in place of a diffusers self-attention (`Attention` or `WanAttention`).
+
+    Called exactly like the host: (hidden_states, encoder_hidden_states=None, attention_mask=None,
+    rotary_emb=None, **kwargs) → (B, N, C). The host's to_q/to_k/to_v/to_out and norm_q/norm_k are
+    the same module objects, so state-dict keys are the host's plus `mixing`.
+    """
+
+    token_grid: TokenGrid | None = None
+    clip_fp16: bool = False  # SANA's processor clips fp16 outputs to the finite range
+
+    @classmethod
+    def from_host(cls, host: nn.Module, config: MHLAConfig, *, qk_norm: str | None, clip_fp16: bool = False) -> "DiffusersMHLA":
+        """Move `host`'s projections and norms into a new layer; only `mixing` (and an optional
+        output norm) are new. Built on the meta device first so no throwaway weights are initialised."""
+        has_norm = getattr(host, "norm_q", None) is not None
+        with torch.device("meta"):
+            layer = cls(
+                host.to_q.in_features, host.heads, head_dim=host.to_q.out_features // host.heads,
+                qkv_bias=host.to_q.bias is not None, out_bias=host.to_out[0].bias is not None,
+                out_dim=host.to_out[0].out_features, qk_norm=qk_norm if has_norm else None, config=config,
+            )
+        layer.to_q, layer.to_k, layer.to_v = host.to_q, host.to_k, host.to_v
+        layer.to_out = nn.Sequential(*host.to_out)  # same children, same keys (to_out.0.weight)
+        if has_norm:
+            layer.norm_q, layer.norm_k = host.norm_q, host.norm_k
+        weight = host.to_q.weight
+        layer.mixing = nn.Parameter(layer._initial_mixing().to(weight.device, weight.dtype), requires_grad=config.learnable_mixing)
+        for module in layer.out_norm.modules():  # a new output norm: identity at init
+            module.to_empty(device=weight.device, recurse=False)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        layer.out_norm.to(weight.dtype)
+        layer.clip_fp16 = clip_fp16
+        return layer
+
+    def current_grid(self, num_tokens: int) -> tuple[int, ...]:
+        grid = self.token_grid.grid if self.token_grid is not None else None
+        if grid is None or math.prod(grid) != num_tokens:
+            raise ValueError(
+                f"MHLA layer got {num_tokens} tokens but the model's last forward captured grid {grid}; "
+                "converted layers read the token grid from the model's forward, so call the model, not the layer"
+            )
+        return grid
+
+    def attend(self, q, k, v, grid=None) -> torch.Tensor:
+        """As MHLAttention.attend; a grid axis shorter than its block count is clamped (see `fitted_blocks`)."""
+        if grid is None or self.config.blocks is None or len(grid) != len(self.config.blocks):
+            return super().attend(q, k, v, grid)
+        blocks, kept = fitted_blocks(tuple(grid), self.config.blocks)
+        if kept is None:
+            return super().attend(q, k, v, grid)
+        kept = kept.to(self.mixing.device)
+        mixing = self.mixing[..., kept, :][..., kept]
+        return mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend=self.config.backend, **self._op_options())
+
+    def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("an MHLA self-attention layer takes neither encoder_hidden_states nor an attention mask")
+        rotary = None
+        if rotary_emb is not None:
+            cos, sin = rotary_emb
+            rotary = lambda q, k: (rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin))  # noqa: E731
+        q, k, v = self.project(hidden_states, rotary)
+        out = self.output(self.attend(q, k, v, self.current_grid(hidden_states.shape[1])))
+        if self.clip_fp16 and out.dtype == torch.float16:
+            out = out.clip(-65504, 65504)
+        return out
+
+
+class DiffusersAdapter(FamilyAdapter):
+    """A diffusers transformer whose blocks keep self-attention at `<blocks_attr>[i].attn1`."""
+
+    library = "diffusers"
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    native_blocks: ClassVar[tuple[int, ...]] = (4, 4)
+    qk_norm: ClassVar[str] = "per_head"  # how the host's processor applies norm_q/norm_k, if it has them
+    clip_fp16: ClassVar[bool] = False
+
+    @property
+    def model_class(self) -> type:
+        return getattr(diffusers, self.model_classes[0])
+
+    def attention_modules(self, model: nn.Module) -> list[nn.Module]:
+        return [block.attn1 for block in getattr(model, self.blocks_attr)]
+
+    def default_blocks(self, model: nn.Module) -> tuple[int, ...]:
+        return self.native_blocks
+
+    def patch_size(self, model: nn.Module) -> tuple[int, ...]:
+        p = model.config.patch_size
+        return tuple(p) if isinstance(p, (tuple, list)) else (p, p)
+
+    def native_grid(self, model: nn.Module) -> tuple[int, ...] | None:
+        size = model.config.sample_size
+        return tuple(size // p for p in self.patch_size(model))
+
+    def prepare(self, model: nn.Module) -> None:
+        if getattr(model, GRID_ATTR, None) is None:
+            grid = TokenGrid(self.patch_size(model))
+            model.register_forward_pre_hook(grid, with_kwargs=True)
+            setattr(model, GRID_ATTR, grid)
+
+    def check_host(self, host: nn.Module, where: str) -> None:
+        """Refuse attention features the MHLA layer would silently drop."""
+        unsupported = {
+            "cross-attention": getattr(host, "is_cross_attention", False) or getattr(host, "only_cross_attention", False),
+            "added key/value projections": getattr(host, "add_k_proj", None) is not None,
+            "a group norm": getattr(host, "group_norm", None) is not None,
+            "a spatial norm": getattr(host, "spatial_norm", None) is not None,
+            "a residual connection": getattr(host, "residual_connection", False),
+            "output rescaling": getattr(host, "rescale_output_factor", 1.0) != 1.0,
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found:
+            raise UnsupportedModelError(f"{where} uses {', '.join(found)}, which an MHLA layer does not reproduce")
+
+    def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
+        block = getattr(model, self.blocks_attr)[index]
+        self.check_host(block.attn1, f"{self.blocks_attr}.{index}.attn1")
+        layer = DiffusersMHLA.from_host(block.attn1, config, qk_norm=self.qk_norm, clip_fp16=self.clip_fp16)
+        self.prepare(model)
+        layer.token_grid = getattr(model, GRID_ATTR)
+        block.attn1 = layer
+        return layer
+
+    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1) -> dict[str, Any]:
+        """Latents for `grid` (default: the model's native grid) and a timestep; families add their conditioning."""
+        grid = grid or self.native_grid(model)
+        param = next(model.parameters())
+        sizes = [g * p for g, p in zip(grid, self.patch_size(model))]
+        latents = torch.randn(batch_size, model.config.in_channels, *sizes, device=param.device, dtype=param.dtype)
+        return {"hidden_states": latents, "timestep": torch.randint(0, 1000, (batch_size,), device=param.device)}
+
+    def _text(self, model: nn.Module, batch_size: int, length: int, width: int) -> torch.Tensor:
+        param = next(model.parameters())
+        return torch.randn(batch_size, length, width, device=param.device, dtype=param.dtype)
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        return self.model_class.from_config(config)
+
+    def load_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
+        return self.model_class.from_pretrained(path_or_id, **kwargs)
+
+    def model_config(self, model: nn.Module) -> dict[str, Any]:
+        return json.loads(model.to_json_string())
