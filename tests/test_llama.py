@@ -5,10 +5,7 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from mhla_convert.convert import convert
@@ -18,20 +15,14 @@ from mhla_convert.lm_cache import MHLACacheLayer
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=0)
-FAMILIES = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY)),  # q/k/v bias by default
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=24)),  # q/k norm; head_dim ≠ hidden / heads
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=16)),
-}
+ADAPTER = adapter_for_family("llama")
+FAMILIES = [name.removeprefix("tiny-") for name in ADAPTER.tiny_configs()]
 C = 8  # chunk size in the tiny tests: a 40-token prompt spans 5 chunks
 
 
 def tiny(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return FAMILIES[family]().eval()
+    return ADAPTER.build(ADAPTER.tiny_configs()[f"tiny-{family}"]).eval()
 
 
 def ids(batch=2, length=40, seed=1):
@@ -198,14 +189,24 @@ def test_state_size_formula():
 
 
 def test_adapter_builds_and_detects():
-    adapter = adapter_for_family("llama")
-    model = adapter.build(adapter.tiny_config())
-    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 2
+    expected = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM}
+    assert ADAPTER.tiny_config() == ADAPTER.tiny_configs()["tiny-llama"]
     for family in FAMILIES:
         model = tiny(family)
+        assert type(model) is expected[family] and model.config.num_key_value_heads == 2
         config = adapter_for_model(model).model_config(model)
-        assert isinstance(adapter_for_config(config), type(adapter))
-        rebuilt = adapter.build(config)
-        assert type(rebuilt) is type(model) and adapter.model_config(rebuilt) == config
-    assert adapter.aliases["llama-3.2-1b"] == "meta-llama/Llama-3.2-1B"
-    assert adapter.default_options(model)["chunk_size"] == 64
+        assert isinstance(adapter_for_config(config), type(ADAPTER))
+        rebuilt = ADAPTER.build(config)
+        assert type(rebuilt) is type(model) and ADAPTER.model_config(rebuilt) == config
+    assert ADAPTER.aliases["llama-3.2-1b"] == "meta-llama/Llama-3.2-1B"
+    assert ADAPTER.default_options(model)["chunk_size"] == 64
+
+
+def test_generate_left_padded_batch():
+    model = tiny("qwen2")
+    convert(model, ratio=0.5, chunk_size=C)
+    prompt = ids()
+    mask = torch.ones_like(prompt)
+    mask[0, :13] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(prompt, **kw), model.generate(prompt, use_cache=False, **kw))

@@ -125,13 +125,22 @@ class LlamaAdapter(FamilyAdapter):
         return layer.self_attn
 
     def tiny_config(self) -> dict[str, Any]:
-        from transformers import LlamaConfig
+        return self.tiny_configs()["tiny-llama"]
 
-        config = LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, architectures=["LlamaForCausalLM"],
-        )
-        return config.to_dict()
+    def tiny_configs(self) -> dict[str, dict[str, Any]]:
+        """One tiny model per class, each exercising what sets it apart: GQA everywhere, Qwen2's
+        q/k/v biases, Qwen3's q/k norms with head_dim ≠ hidden / heads, Mistral's sliding window."""
+        from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+        common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+        configs = {
+            "tiny-llama": LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+            "tiny-qwen2": Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
+            "tiny-qwen3": Qwen3Config(**common, head_dim=24, architectures=["Qwen3ForCausalLM"]),
+            "tiny-mistral": MistralConfig(**common, sliding_window=16, architectures=["MistralForCausalLM"]),
+        }
+        return {name: config.to_dict() for name, config in configs.items()}
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         from transformers import AutoModelForCausalLM
