@@ -1,5 +1,9 @@
 """Backend selection for `mhla_attention`. Kernels register themselves here; `auto` picks the
-first registered backend that accepts the inputs and falls back to torch."""
+first registered backend that accepts the inputs and falls back to torch.
+
+A backend's `supports(q, k, v, mixing, layout, *, causal, phi) -> bool` sees everything that can
+rule it out (device, dtype, head dims, feature map, chunk size); its implementation has the torch
+path's signature (`ops.mhla.mhla_attention_torch`)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-# name -> (implementation, supports(q, causal) -> bool)
-_BACKENDS: dict[str, tuple[Callable, Callable[[torch.Tensor, bool], bool]]] = {}
+# name -> (implementation, supports)
+_BACKENDS: dict[str, tuple[Callable, Callable[..., bool]]] = {}
 _logged: set[tuple] = set()
 
 
-def register_backend(name: str, impl: Callable, supports: Callable[[torch.Tensor, bool], bool]) -> None:
+def register_backend(name: str, impl: Callable, supports: Callable[..., bool]) -> None:
     _BACKENDS[name] = (impl, supports)
 
 
@@ -37,13 +41,13 @@ def _load_optional_backends() -> None:
         pass
 
 
-def select_backend(backend: str, q: torch.Tensor, *, causal: bool) -> Callable:
+def select_backend(backend: str, q, k, v, mixing, layout, *, causal: bool, phi) -> Callable:
     if backend == "torch":
         return _torch_impl()
     _load_optional_backends()
     if backend == "auto":
         for name, (impl, supports) in _BACKENDS.items():
-            if supports(q, causal):
+            if supports(q, k, v, mixing, layout, causal=causal, phi=phi):
                 _log_once(name, q, causal)
                 return impl
         _log_once("torch", q, causal)

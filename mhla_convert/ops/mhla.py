@@ -100,7 +100,7 @@ def mhla_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     from .dispatch import select_backend
 
-    impl = select_backend(backend, q, causal=causal)
+    impl = select_backend(backend, q, k, v, mixing, layout, causal=causal, phi=phi)
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
 
 

@@ -1,0 +1,329 @@
+"""Triton kernels for MHLA (the math is `ops.mhla`'s docstring; `ops.mhla.mhla_attention_torch`
+is the naive reference each kernel is tested against).
+
+Summaries live in one float32 row per (batch, head, block) of COLS = D·Dv + D columns: S_b row
+major, then z_b. That makes the mixing one plain GEMM over M for numerator and normaliser alike.
+
+Grid → block mapping is index arithmetic (`_rows`): every grid is seen as 3-D (T, H, W) with
+leading axes of length 1, block m covers the box of per-axis size s_a = ceil(L_a / b_a) at block
+coordinates (m // (b1·b2), m // b2 % b1, m % b2), slots past the grid are masked. Nothing is
+permuted or padded in memory. A causal chunk is one block of a 1-D grid and fits one tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T):
+    """Token index (int64) and validity of in-block slots j of block m."""
+    c0 = (m // (NB1 * NB2)) * S0 + j // (S1 * S2)
+    c1 = ((m // NB2) % NB1) * S1 + (j // S2) % S1
+    c2 = (m % NB2) * S2 + j % S2
+    valid = (j < T) & (c0 < L0) & (c1 < L1) & (c2 < L2)
+    return ((c0 * L1 + c1) * L2 + c2).to(tl.int64), valid
+
+
+@triton.jit
+def _phi(x, PHI: tl.constexpr):
+    if PHI == 0:
+        return tl.maximum(x, 0.0)
+    else:  # elu + 1
+        return tl.where(x > 0, x + 1.0, tl.exp(x))
+
+
+@triton.jit
+def _dphi(x, PHI: tl.constexpr):
+    if PHI == 0:
+        return (x > 0).to(tl.float32)
+    else:
+        return tl.where(x > 0, 1.0, tl.exp(x))
+
+
+@triton.jit
+def _load_rows(base, n, valid, stride_n, d, dmask):
+    """(BT, BD) float32 tile of rows n; zero where masked."""
+    mask = valid[:, None] & dmask[None, :]
+    return tl.load(base + n[:, None] * stride_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
+    """φ of a row tile, zeroed at masked slots (φ(0) need not be 0), and the raw tile for φ'."""
+    x = _load_rows(base, n, valid, stride_n, d, dmask)
+    return tl.where(valid[:, None] & dmask[None, :], _phi(x, PHI), 0.0), x
+
+
+@triton.jit
+def _summaries_kernel(
+    K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+):
+    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split)."""
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // HKV).to(tl.int64), bh % HKV
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
+    s_acc = tl.zeros((BD, BDV), tl.float32)
+    z_acc = tl.zeros((BD,), tl.float32)
+    for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
+        n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+        fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
+        vv = tl.load(vp + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
+        s_acc += tl.dot(tl.trans(fk.to(vv.dtype)), vv, input_precision=DOT_PREC)
+        z_acc += tl.sum(fk, 0)
+    out = S + (bh * M + m).to(tl.int64) * COLS
+    smask = dm[:, None] & em[None, :]
+    if ATOMIC:
+        tl.atomic_add(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
+        tl.atomic_add(out + D * DV + d, z_acc, mask=dm)
+    else:
+        tl.store(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
+        tl.store(out + D * DV + d, z_acc, mask=dm)
+
+
+@triton.jit
+def _mix_kernel(
+    A, X, OUT, COLS, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
+    MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles.
+
+    Forward: A = mixing, X = summaries. Backward: A = mixingᵀ (strides swapped), X = dS̃, and R
+    sums the query heads that share a key head. MASK 1 keeps A[i, k] for k < i, 2 for k > i (the
+    strict causal triangle, as stored or transposed)."""
+    bo, pi, pc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
+    i = pi * BM + tl.arange(0, BM)
+    c = pc * BN + tl.arange(0, BN)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for r in range(R):
+        p = o * R + r
+        ap = A + p * a_sh
+        xp = X + b * x_sb + (p // GX) * x_sh
+        for k0 in range(0, M, BK):
+            # (loop bounds stay kernel arguments: the interpreter takes no program-id bounds)
+            live = True
+            if MASK == 1:
+                live = k0 < pi * BM + BM - 1
+            if MASK == 2:
+                live = k0 + BK - 1 > pi * BM
+            if live:
+                kk = k0 + tl.arange(0, BK)
+                amask = (i < M)[:, None] & (kk < M)[None, :]
+                if MASK == 1:
+                    amask = amask & (kk[None, :] < i[:, None])
+                if MASK == 2:
+                    amask = amask & (kk[None, :] > i[:, None])
+                a = tl.load(ap + i[:, None] * a_si + kk[None, :] * a_sk, mask=amask, other=0.0).to(tl.float32)
+                x = tl.load(xp + kk[:, None] * COLS + c[None, :], mask=(kk < M)[:, None] & (c < COLS)[None, :], other=0.0)
+                acc += tl.dot(a, x, input_precision=DOT_PREC)
+    out = OUT + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=(i < M)[:, None] & (c < COLS)[None, :])
+
+
+@triton.jit
+def _readout_kernel(
+    Q, K, V, ST, MIX, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh,
+    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for one token tile of block i; causal adds the query's
+    own chunk, weighted by m_ii, as a masked tile product."""
+    bh, m, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // H).to(tl.int64), bh % H
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    j = tile * BT + tl.arange(0, BT)
+    n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+    fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
+    fq = fq * scale
+    sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
+    st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    num = tl.dot(fq.to(st.dtype), st, input_precision=DOT_PREC)
+    if NORMALIZE:
+        den = tl.sum(fq * tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)[None, :], 1)
+    if CAUSAL:
+        mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+        hk = h // HKV_GROUP
+        fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+        vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
+        a = tl.dot(fq.to(vv.dtype), tl.trans(fk.to(vv.dtype)), input_precision=DOT_PREC)
+        a = tl.where(j[:, None] >= j[None, :], a, 0.0) * mii
+        num += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
+        if NORMALIZE:
+            den += tl.sum(a, 1)
+    if NORMALIZE:
+        num = num / (den + eps)[:, None]
+    out = O + b * sob + h * soh + n[:, None] * son + e[None, :]
+    tl.store(out, num.to(O.dtype.element_ty), mask=valid[:, None] & em[None, :])
+
+
+@triton.jit
+def _bwd_query_kernel(
+    Q, K, V, O, DO, ST, MIX, DQ, DST,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
+    H, HKV_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr, HMIX_GROUP: tl.constexpr,
+    TILES_PER_PROG: tl.constexpr,
+):
+    """dq for the query heads reading one mixed summary S̃_i, and dS̃_i = Σ φ(q)ᵀ dnum,
+    dz̃_i = Σ dden·φ(q) (float32). With o = num / (den + eps): dnum = do / (den + eps),
+    dden = −(do·o) / (den + eps); causal adds the own-chunk terms through dA = m_ii (dnum vᵀ + dden)."""
+    bhm, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hm = (bhm // HMIX).to(tl.int64), bhm % HMIX
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    sp = ST + (bhm * M + m).to(tl.int64) * COLS
+    st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    dt = st.dtype
+    if NORMALIZE:
+        zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+    dst = tl.zeros((BD, BDV), tl.float32)
+    dzt = tl.zeros((BD,), tl.float32)
+    for r in range(HMIX_GROUP):
+        h = hm * HMIX_GROUP + r
+        hk = h // HKV_GROUP
+        if CAUSAL:
+            mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+        for t in range(TILES_PER_PROG):
+            j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
+            n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+            rmask = valid[:, None] & em[None, :]
+            fq, qx = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
+            fq = fq * scale
+            do = tl.load(DO + b * sdb + h * sdh + n[:, None] * sdn + e[None, :], mask=rmask, other=0.0).to(tl.float32)
+            if CAUSAL:
+                fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+                vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=rmask, other=0.0)
+                tri = j[:, None] >= j[None, :]
+            if NORMALIZE:
+                den = tl.sum(fq * zt[None, :], 1)
+                if CAUSAL:
+                    a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
+                    den += mii * tl.sum(tl.where(tri, a, 0.0), 1)
+                rinv = 1.0 / (den + eps)
+                o = tl.load(O + b * sob + h * soh + n[:, None] * son + e[None, :], mask=rmask, other=0.0).to(tl.float32)
+                dden = -tl.sum(do * o, 1) * rinv
+                dnum = do * rinv[:, None]
+            else:
+                dnum = do
+            dfq = tl.dot(dnum.to(dt), tl.trans(st), input_precision=DOT_PREC)
+            if NORMALIZE:
+                dfq += dden[:, None] * zt[None, :]
+            if CAUSAL:
+                g = tl.dot(dnum.to(dt), tl.trans(vv.to(dt)), input_precision=DOT_PREC)
+                if NORMALIZE:
+                    g += dden[:, None]
+                da = tl.where(tri, g, 0.0) * mii
+                dfq += tl.dot(da.to(dt), fk.to(dt), input_precision=DOT_PREC)
+            dq = dfq * scale * _dphi(qx, PHI)
+            tl.store(DQ + b * sqb + h * sqh + n[:, None] * sqn + d[None, :], dq.to(DQ.dtype.element_ty),
+                     mask=valid[:, None] & dm[None, :])
+            dst += tl.dot(tl.trans(fq.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
+            if NORMALIZE:
+                dzt += tl.sum(fq * dden[:, None], 0)
+    out = DST + (bhm * M + m).to(tl.int64) * COLS
+    if ATOMIC:
+        tl.atomic_add(out + d[:, None] * DV + e[None, :], dst, mask=dm[:, None] & em[None, :])
+        tl.atomic_add(out + D * DV + d, dzt, mask=dm)
+    else:
+        tl.store(out + d[:, None] * DV + e[None, :], dst, mask=dm[:, None] & em[None, :])
+        tl.store(out + D * DV + d, dzt, mask=dm)
+
+
+@triton.jit
+def _bwd_key_kernel(
+    Q, K, V, O, DO, ST, MIX, DS, DK, DVV, DMII,
+    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
+    H, HKV, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, HKV_GROUP: tl.constexpr,
+):
+    """dk, dv of one key tile from dS_b = Σ_i m_ib dS̃_i: dφ(k) = v dS_bᵀ + dz_b, dv = φ(k) dS_b;
+    causal adds the own-chunk terms (summed over the query heads of this key head) and writes
+    each head's ∂/∂m_ii = Σ A ⊙ (dnum vᵀ + dden) over the chunk."""
+    bh, m, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hk = (bh // HKV).to(tl.int64), bh % HKV
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    j = tile * BT + tl.arange(0, BT)
+    n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+    rmask = valid[:, None] & em[None, :]
+    fk, kx = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+    vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=rmask, other=0.0)
+    dt = vv.dtype
+    dsp = DS + (bh * M + m).to(tl.int64) * COLS
+    ds = tl.load(dsp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0).to(dt)
+    dfk = tl.dot(vv, tl.trans(ds), input_precision=DOT_PREC)
+    if NORMALIZE:
+        dfk += tl.load(dsp + D * DV + d, mask=dm, other=0.0)[None, :]
+    dv = tl.dot(fk.to(dt), ds, input_precision=DOT_PREC)
+    if CAUSAL:
+        tri = j[:, None] >= j[None, :]
+        for r in range(HKV_GROUP):
+            h = hk * HKV_GROUP + r
+            mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+            fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
+            fq = fq * scale
+            do = tl.load(DO + b * sdb + h * sdh + n[:, None] * sdn + e[None, :], mask=rmask, other=0.0).to(tl.float32)
+            a = tl.where(tri, tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC), 0.0)
+            if NORMALIZE:
+                sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
+                zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+                rinv = 1.0 / (tl.sum(fq * zt[None, :], 1) + mii * tl.sum(a, 1) + eps)
+                o = tl.load(O + b * sob + h * soh + n[:, None] * son + e[None, :], mask=rmask, other=0.0).to(tl.float32)
+                dden = -tl.sum(do * o, 1) * rinv
+                dnum = do * rinv[:, None]
+            else:
+                dnum = do
+            g = tl.dot(dnum.to(dt), tl.trans(vv), input_precision=DOT_PREC)
+            if NORMALIZE:
+                g += dden[:, None]
+            g = tl.where(tri, g, 0.0)
+            dfk += mii * tl.dot(tl.trans(g.to(dt)), fq.to(dt), input_precision=DOT_PREC)
+            dv += mii * tl.dot(tl.trans(a.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
+            tl.store(DMII + (b * H + h) * M + m, tl.sum(tl.sum(a * g, 1), 0))
+    dk = dfk * _dphi(kx, PHI)
+    tl.store(DK + b * skb + hk * skh + n[:, None] * skn + d[None, :], dk.to(DK.dtype.element_ty),
+             mask=valid[:, None] & dm[None, :])
+    tl.store(DVV + b * svb + hk * svh + n[:, None] * svn + e[None, :], dv.to(DVV.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _dmix_kernel(
+    DST, S, PART, HMIX, GX, M, COLS, SPLIT,
+    SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """PART[(b, p, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser);
+    the host sums the partials over batch, splits (and heads when the mixing is shared)."""
+    pid, pi, pj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    sp, bp = pid % SPLIT, pid // SPLIT
+    b, p = bp // HMIX, bp % HMIX
+    i = pi * BM + tl.arange(0, BM)
+    jj = pj * BN + tl.arange(0, BN)
+    ap = DST + bp.to(tl.int64) * M * COLS
+    xp = S + (b * (HMIX // GX) + p // GX).to(tl.int64) * M * COLS
+    acc = tl.zeros((BM, BN), tl.float32)
+    live = True
+    if STRICT:  # tiles on or above the diagonal get no gradient through the summaries
+        live = pj * BN < pi * BM + BM - 1
+    if live:
+        for c0 in range(0, SPLIT_COLS, BK):
+            c = sp * SPLIT_COLS + c0 + tl.arange(0, BK)
+            a = tl.load(ap + i[:, None] * COLS + c[None, :], mask=(i < M)[:, None] & (c < COLS)[None, :], other=0.0)
+            x = tl.load(xp + jj[None, :] * COLS + c[:, None], mask=(jj < M)[None, :] & (c < COLS)[:, None], other=0.0)
+            acc += tl.dot(a, x, input_precision=DOT_PREC)
+    if STRICT:
+        acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
+    tl.store(PART + pid.to(tl.int64) * M * M + i[:, None] * M + jj[None, :], acc, mask=(i < M)[:, None] & (jj < M)[None, :])

@@ -1,0 +1,239 @@
+"""The Triton backend of `mhla_attention`: launches the kernels of `mhla_kernels` and wraps them
+in an autograd Function whose backward also yields the gradient of the (learnable) mixing.
+
+Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, dS̃)
+→ mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing. The float32 summaries
+and the mixed ones (in the input dtype for half inputs: they are a matmul operand, as in fla) are
+kept from forward to backward: (B·H·M·D·Dv) floats each, far below the activations for M ≪ N.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..ops.blocks import BlockLayout
+from ..ops.feature_maps import FEATURE_MAPS
+from . import mhla_kernels as K
+
+_PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128  # one (D, Dv) summary tile lives in registers
+MAX_CHUNK = 128  # a causal chunk is one tile
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, phi) -> str | None:
+    """Why these inputs need the torch path, or None when the kernels take them."""
+    if id(phi) not in _PHI_IDS:
+        return "a callable feature map (kernels know 'relu' and 'elu')"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
+    if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
+        return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MAX_HEAD_DIM}"
+    if causal and layout.tokens_per_block > MAX_CHUNK:
+        return f"causal chunk of {layout.tokens_per_block} tokens > {MAX_CHUNK}"
+    return None
+
+
+def supports(q, k, v, mixing, layout, *, causal, phi) -> bool:
+    return q.is_cuda and unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi) is None
+
+
+def _p2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _programs_wanted(device) -> int:
+    """Enough programs to fill the GPU a few times over (a split threshold, nothing more)."""
+    if device.type != "cuda":
+        return 1
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
+    """Split `tiles` token tiles of each of `programs` programs so that about `wanted` run:
+    returns (splits, tiles per split)."""
+    per = math.ceil(tiles / max(1, min(tiles, math.ceil(wanted / programs))))
+    return math.ceil(tiles / per), per
+
+
+def _new(*shape, device, dtype, zero: bool = False) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests poison it with NaN)."""
+    return (torch.zeros if zero else torch.empty)(*shape, device=device, dtype=dtype)
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything the launches need that is fixed by the shapes and options."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    mix_heads: int  # heads with their own mixed summary: H when mixing is per head, else H_kv
+    dim: int
+    dv: int
+    m: int
+    cols: int
+    causal: bool
+    phi: int
+    normalize: bool
+    scale: float
+    eps: float
+    geometry: dict
+    bt: int
+    bd: int
+    bdv: int
+    prec: str
+    per_head: bool
+    warps: int
+
+    @property
+    def mix_sh(self) -> int:
+        return self.m * self.m if self.per_head else 0
+
+    def heads_kw(self) -> dict:
+        return dict(HKV_GROUP=self.heads // self.kv_heads, HMIX_GROUP=self.heads // self.mix_heads, HMIX=self.mix_heads,
+                    M=self.m, COLS=self.cols, MIX_SH=self.mix_sh, scale=self.scale, eps=self.eps)
+
+    def tile_kw(self) -> dict:
+        return dict(**self.geometry, D=self.dim, DV=self.dv, BT=self.bt, BD=self.bd, BDV=self.bdv, PHI=self.phi,
+                    num_warps=self.warps)
+
+
+def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Plan:
+    batch, _, heads, dim = q.shape
+    kv_heads, dv = k.shape[2], v.shape[-1]
+    per_head = mixing.dim() == 3
+    pad = (1,) * (3 - len(layout.grid))
+    grid, size, blocks = pad + layout.grid, pad + layout.block_size, pad + layout.blocks
+    t = layout.tokens_per_block
+    geometry = dict(L0=grid[0], L1=grid[1], L2=grid[2], S0=size[0], S1=size[1], S2=size[2], NB1=blocks[1], NB2=blocks[2], T=t)
+    bt = _p2(t) if causal else min(64, _p2(t))
+    bd, bdv = _p2(dim), _p2(dv)
+    return _Plan(
+        batch, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks, dim * dv + dim, causal,
+        _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
+        "ieee" if q.dtype == torch.float32 else "tf32", per_head, 8 if max(bd, bdv) >= 128 else 4,
+    )
+
+
+def _summaries(p: _Plan, k, v):
+    nt = triton.cdiv(p.geometry["T"], p.bt)
+    splits, per = _split(nt, p.batch * p.kv_heads * p.m, _programs_wanted(k.device))
+    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=splits > 1)
+    K._summaries_kernel[(p.batch * p.kv_heads, p.m, splits)](
+        k, v, s, *_strides(k), *_strides(v), p.kv_heads, p.m, p.cols,
+        TILES_PER_PROG=per, ATOMIC=splits > 1, DOT_PREC=p.prec, **p.tile_kw(),
+    )
+    return s
+
+
+def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
+    """Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)]. Transposed: out[b, hk] = Σ over
+    the mixing heads of key head hk of mixᵀ @ dS̃."""
+    m, cols = p.m, p.cols
+    if transpose:
+        h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
+    else:
+        h_out, r, gx, a_si, a_sk, mask = p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
+    bm, bn, bk = 64, 64, 32
+    grid = (p.batch * h_out, triton.cdiv(m, bm), triton.cdiv(cols, bn))
+    K._mix_kernel[grid](
+        mixing, x, out, cols, h_out, gx, p.mix_sh, a_si, a_sk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4,
+    )
+    return out
+
+
+def _forward(p: _Plan, q, k, v, mixing):
+    s = _summaries(p, k, v)
+    st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
+    st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
+    o = _new(p.batch, q.shape[1], p.heads, p.dv, device=q.device, dtype=q.dtype)
+    grid = (p.batch * p.heads, p.m, triton.cdiv(p.geometry["T"], p.bt))
+    K._readout_kernel[grid](
+        q, k, v, st, mixing, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o), p.heads,
+        NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, **p.heads_kw(), **p.tile_kw(),
+    )
+    return s, st, o
+
+
+def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
+    dev, f32 = q.device, torch.float32
+    nt = triton.cdiv(p.geometry["T"], p.bt)
+    splits, per = _split(nt, p.batch * p.mix_heads * p.m, _programs_wanted(dev))
+    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=dev, dtype=f32, zero=splits > 1)
+    dq = _new(*q.shape, device=dev, dtype=q.dtype)
+    K._bwd_query_kernel[(p.batch * p.mix_heads, p.m, splits)](
+        q, k, v, o, do, st, mixing, dq, dst, *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+        p.heads, TILES_PER_PROG=per, NORMALIZE=p.normalize, CAUSAL=p.causal, ATOMIC=splits > 1,
+        DOT_PREC=p.prec, **p.heads_kw(), **p.tile_kw(),
+    )
+    ds = _mix(p, mixing, dst, _new(p.batch, p.kv_heads, p.m, p.cols, device=dev, dtype=f32), transpose=True)
+    dk, dv = _new(*k.shape, device=dev, dtype=k.dtype), _new(*v.shape, device=dev, dtype=v.dtype)
+    dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=f32) if p.causal else dk
+    K._bwd_key_kernel[(p.batch * p.kv_heads, p.m, nt)](
+        q, k, v, o, do, st, mixing, ds, dk, dv, dmii, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        *_strides(do), p.heads, p.kv_heads, NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec,
+        **p.heads_kw(), **p.tile_kw(),
+    )
+    dmix = _mixing_grad(p, dst, s, dmii).to(mixing.dtype) if need_mixing else None
+    return dq, dk, dv, dmix
+
+
+def _mixing_grad(p: _Plan, dst, s, dmii):
+    bm = bn = 64 if p.m > 32 else 32
+    bk = 32
+    tiles = triton.cdiv(p.m, bm) * triton.cdiv(p.m, bn)
+    splits = max(1, min(triton.cdiv(p.cols, bk), triton.cdiv(_programs_wanted(dst.device), p.batch * p.mix_heads * tiles)))
+    split_cols = triton.cdiv(triton.cdiv(p.cols, splits), bk) * bk
+    splits = triton.cdiv(p.cols, split_cols)
+    part = _new(p.batch * p.mix_heads * splits, p.m, p.m, device=dst.device, dtype=torch.float32)
+    K._dmix_kernel[(part.shape[0], triton.cdiv(p.m, bm), triton.cdiv(p.m, bn))](
+        dst, s, part, p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols,
+        STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4,
+    )
+    dmix = part.view(p.batch, p.mix_heads, splits, p.m, p.m).sum((0, 2))  # (H_mix, M, M)
+    if p.causal:
+        dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.sum(0).view(p.mix_heads, -1, p.m).sum(1))
+    return dmix if p.per_head else dmix.sum(0)
+
+
+class MHLAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, plan: _Plan):
+        s, st, o = _forward(plan, q, k, v, mixing)
+        ctx.save_for_backward(q, k, v, mixing, s, st, o)
+        ctx.plan = plan
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, mixing, s, st, o = ctx.saved_tensors
+        do = do if do.stride(-1) == 1 else do.contiguous()
+        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do, ctx.needs_input_grad[3])
+        return dq, dk, dv, dmix, None
+
+
+def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
+    """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
+    reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
+    if reason is not None:
+        raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
+    q, k, v = (t.contiguous() for t in (q, k, v))  # dq, dk, dv are written with q's, k's, v's strides
+    plan = _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
