@@ -1,0 +1,180 @@
+"""Save and reload converted models.
+
+Diffusers' and transformers' own `from_pretrained` rebuild the stock attention and drop the MHLA
+keys with only a warning, so a converted model is reloaded here: build the base architecture from
+its config (parameters on the meta device, no throwaway init), redo the saved conversion plan,
+then load the state dict strictly with `assign=True`. A checkpoint directory holds:
+
+    config.json          the base model's own config (family detection, `adapter.build`)
+    model*.safetensors   the weights, sharded above `max_shard_size` (+ model.safetensors.index.json)
+    mhla_config.json     family, base model, the plan, every MHLA option, package version
+
+Writes are atomic: everything goes to a temporary sibling directory, `mhla_config.json` last, and
+only a complete directory is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from torch import nn
+
+from .convert import PLAN_ATTR, apply_plan
+from .families import adapter_for_family
+from .models import _HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable, parse_dtype
+
+FORMAT_VERSION = 1
+WEIGHTS_PATTERN = "model{suffix}.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _package_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def mhla_metadata(model: nn.Module) -> dict[str, Any]:
+    """What mhla_config.json records for a converted model."""
+    plan = getattr(model, PLAN_ATTR, None)
+    if not plan:
+        raise ValueError("this model is not converted: run mhla_convert.convert(model, ...) before saving it")
+    adapter = adapter_for_family(plan["family"])
+    source = getattr(model, SOURCE_ATTR, None) or {}
+    return {
+        "format_version": FORMAT_VERSION,
+        "mhla_convert_version": _package_version(),
+        "family": adapter.name,
+        "library": adapter.library,
+        "model_class": type(model).__name__,
+        "base_model": source.get("base_model"),
+        "base_model_revision": source.get("revision"),
+        "base_model_subfolder": source.get("subfolder"),
+        "plan": {"num_layers": plan["num_layers"], "layers": plan["layers"]},
+        "mhla": plan["mhla_config"],
+    }
+
+
+def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size) -> None:
+    adapter = adapter_for_family(meta["family"])
+    (directory / "config.json").write_text(json.dumps(adapter.model_config(model), indent=2, sort_keys=True))
+    save_torch_state_dict(model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
+    (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+
+
+def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
+    """Save a converted model to `directory` atomically; an existing MHLA checkpoint there is replaced."""
+    meta = mhla_metadata(model)
+    json.dumps(meta)  # fail before writing anything if an option (a callable feature map) is not JSON
+    target = Path(directory).expanduser().resolve()
+    if target.exists():
+        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
+            raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_checkpoint(model, staging, meta, max_shard_size)
+        _swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _swap_into_place(staging: Path, target: Path) -> None:
+    if not target.exists():
+        staging.rename(target)
+        return
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    target.rename(old)
+    try:
+        staging.rename(target)
+    except BaseException:
+        old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_mhla_config(directory) -> dict[str, Any]:
+    path = Path(directory) / MHLA_CONFIG
+    if not path.is_file():
+        raise ValueError(
+            f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
+            f"(a base model? convert it first: `mhla-convert {directory}`)"
+        )
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads {FORMAT_VERSION}")
+    return meta
+
+
+def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (sharded) safetensors checkpoint, with the tied duplicates that saving
+    dropped restored from the metadata (`save_torch_state_dict` records them as name -> kept)."""
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        data = json.loads(index.read_text())
+        files, metadata = sorted(set(data["weight_map"].values())), data.get("metadata", {})
+    else:
+        files, metadata = [WEIGHTS_PATTERN.format(suffix="")], None
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(directory / name, framework="pt") as f:
+            metadata = metadata if metadata is not None else f.metadata() or {}
+            state.update({key: f.get_tensor(key) for key in f.keys()})
+    for alias, kept in (metadata or {}).items():
+        if kept in state and alias not in state:
+            state[alias] = state[kept]
+    return state
+
+
+def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None, keep_fp32: list[str]) -> dict[str, torch.Tensor]:
+    """Cast floating tensors to `dtype`, except those of the model's keep-in-fp32 modules (as diffusers does)."""
+    if dtype is None:
+        return state
+    kept = lambda key: any(name in key.split(".") for name in keep_fp32)  # noqa: E731
+    return {k: v.to(dtype) if v.is_floating_point() and not kept(k) else v for k, v in state.items()}
+
+
+def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
+    path = Path(dir_or_hub_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or "/" not in str(dir_or_hub_id) or not _HUB_ID.match(str(dir_or_hub_id)):
+        raise ValueError(f"{dir_or_hub_id} is not a directory (nor a hub id like owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+    except OSError as error:
+        raise hub_unreachable(str(dir_or_hub_id), error) from error
+
+
+def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: str | None = None) -> nn.Module:
+    """Rebuild exactly the converted model saved by `save_pretrained` (a directory or hub id)."""
+    directory = _local_checkpoint(dir_or_hub_id, revision)
+    meta = read_mhla_config(directory)
+    adapter = adapter_for_family(meta["family"])
+    config = json.loads((directory / "config.json").read_text())
+    with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
+        model = adapter.build(config)
+        apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+    state = _cast(load_state_dict(directory), parse_dtype(torch_dtype), getattr(model, "_keep_in_fp32_modules", None) or [])
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # missing or unexpected keys, wrong shapes
+        raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
+    setattr(model, SOURCE_ATTR, {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"), "subfolder": meta.get("base_model_subfolder")})
+    return model.to(device).eval() if device is not None else model.eval()
+

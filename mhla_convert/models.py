@@ -1,0 +1,150 @@
+"""Where base models come from: CLI aliases, built-in tiny models, local directories, hub ids.
+
+`load_model(spec)` accepts any of them; the family is always detected from the model's own
+config (`adapter_for_config`), so a hub id or directory of a supported class needs no alias.
+Diffusers pipelines keep the transformer in a `transformer/` subfolder, which is found here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .families import adapter_for_config, adapter_for_family, families
+
+SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
+PIPELINE_SUBFOLDER = "transformer"
+MHLA_CONFIG = "mhla_config.json"
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}") from None
+
+
+def aliases() -> dict[str, tuple[str, str]]:
+    """alias -> (family, hub id), as each adapter declares them."""
+    return {alias: (name, hub_id) for name, cls in sorted(families().items()) for alias, hub_id in cls.aliases.items()}
+
+
+def tiny_models() -> dict[str, tuple[str, dict[str, Any]]]:
+    """tiny model name -> (family, config): random-weight models for offline use, demo and tests."""
+    out = {}
+    for name, cls in sorted(families().items()):
+        try:
+            out.update({tiny: (name, config) for tiny, config in cls().tiny_configs().items()})
+        except NotImplementedError:
+            continue
+    return out
+
+
+def _place(model: nn.Module, torch_dtype, device) -> nn.Module:
+    return model.to(**{k: v for k, v in (("dtype", parse_dtype(torch_dtype)), ("device", device)) if v is not None})
+
+
+def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn.Module:
+    """A built-in tiny model with reproducible random weights (the global RNG is left untouched)."""
+    models = tiny_models()
+    if name not in models:
+        raise ValueError(f"unknown tiny model {name!r}; built-in: {', '.join(models)}")
+    family, config = models[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = adapter_for_family(family).build(config)
+    setattr(model, SOURCE_ATTR, {"base_model": name, "revision": None, "subfolder": None})
+    return _place(model, torch_dtype, device).eval()
+
+
+@dataclass
+class Source:
+    """What a model spec resolved to."""
+
+    kind: str  # "tiny", "converted" (an MHLA checkpoint), "local" or "hub"
+    location: str  # tiny name, directory or hub id
+    subfolder: str | None = None
+    revision: str | None = None
+    config: dict[str, Any] | None = None  # the base model's config (not for tiny / converted)
+
+    def describe(self) -> str:
+        where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
+        return {"tiny": f"built-in tiny model {where} (random weights)", "converted": f"MHLA checkpoint {where}",
+                "local": f"local model {where}", "hub": f"hub model {where}" + (f" @ {self.revision[:12]}" if self.revision else "")}[self.kind]
+
+
+def _local_source(path: Path) -> Source:
+    if (path / MHLA_CONFIG).is_file():
+        return Source("converted", str(path))
+    for subfolder in (None, PIPELINE_SUBFOLDER):
+        config = path / (subfolder or "") / "config.json"
+        if config.is_file():
+            return Source("local", str(path), subfolder, config=json.loads(config.read_text()))
+    raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
+
+
+def hub_unreachable(repo_id: str, error: Exception) -> OSError:
+    return OSError(
+        f"could not reach the Hugging Face Hub for {repo_id!r} ({type(error).__name__}: {error}); "
+        "pass a local directory instead (a model saved with save_pretrained, or a pipeline folder with transformer/)"
+    )
+
+
+def _hub_source(repo_id: str, revision: str | None) -> Source:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        info = HfApi().model_info(repo_id, revision=revision)
+        files = {s.rfilename for s in info.siblings or []}
+        if MHLA_CONFIG in files:
+            return Source("converted", repo_id, revision=info.sha)
+        subfolder = PIPELINE_SUBFOLDER if "model_index.json" in files else None
+        config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
+    except OSError as error:  # huggingface_hub's HTTP, offline and not-found errors are all OSErrors
+        raise hub_unreachable(repo_id, error) from error
+    return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()))
+
+
+def resolve(spec: str, *, revision: str | None = None) -> Source:
+    """A tiny name, alias, local directory or hub id → where and what to load."""
+    if spec in tiny_models():
+        return Source("tiny", spec)
+    spec = aliases().get(spec, (None, spec))[1]
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{spec} is a file; give a model directory, a hub id or an alias (mhla-convert list)")
+        return _local_source(path)
+    if not _HUB_ID.match(spec):
+        raise ValueError(f"{spec!r} is neither an alias (see `mhla-convert list`), a directory nor a hub id")
+    return _hub_source(spec, revision)
+
+
+def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None = None) -> nn.Module:
+    """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory or hub id."""
+    source = resolve(spec, revision=revision)
+    if source.kind == "tiny":
+        return tiny_model(spec, torch_dtype=torch_dtype, device=device)
+    if source.kind == "converted":
+        from .io import from_pretrained
+
+        return from_pretrained(source.location, torch_dtype=torch_dtype, device=device, revision=source.revision)
+    adapter = adapter_for_config(source.config)
+    kwargs = {k: v for k, v in (("subfolder", source.subfolder), ("revision", source.revision), ("torch_dtype", parse_dtype(torch_dtype))) if v is not None}
+    model = adapter.load_pretrained(source.location, **kwargs)
+    setattr(model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder})
+    return _place(model, None, device).eval()
