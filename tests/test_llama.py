@@ -210,3 +210,12 @@ def test_generate_left_padded_batch():
     mask[0, :13] = 0
     kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(prompt, **kw), model.generate(prompt, use_cache=False, **kw))
+
+
+def test_trains_mixing_and_host_weights():
+    model = tiny("qwen3").train()
+    convert(model, ratio=0.5, chunk_size=C)
+    x = ids()
+    model(x, labels=x).loss.backward()
+    attn = model.model.layers[1].self_attn
+    assert attn.mixing.grad is not None and attn.to_q.weight.grad is not None and attn.norm_q.weight.grad is not None
