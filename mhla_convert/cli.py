@@ -1,23 +1,163 @@
-"""The `mhla-convert` command line (typer)."""
+"""The `mhla-convert` command line (typer).
+
+`mhla-convert MODEL [options]` converts (the default command), beside `list`, `push`, `demo` and,
+once the training package provides them, `finetune` and `sample`. Errors are one line on stderr
+and exit code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
 import typer
+from typer.core import TyperGroup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Convert attention to Multi-Head Linear Attention (MHLA).")
-
-
-@app.callback()
-def _root() -> None:
-    """Convert pretrained attention to MHLA, fine-tune, save and push."""
+DEFAULT_COMMAND = "convert"
 
 
-@app.command()
-def demo() -> None:
-    """Run the built-in demonstration on tiny random models (no downloads)."""
+class _ConvertByDefault(TyperGroup):
+    """Typer has no default command: a first word that names no command is taken as MODEL."""
+
+    def parse_args(self, ctx, args):
+        if args and not args[0].startswith("-") and args[0] not in self.commands:
+            args = [DEFAULT_COMMAND, *args]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(
+    cls=_ConvertByDefault, add_completion=False, no_args_is_help=True,
+    help="Convert attention to Multi-Head Linear Attention (MHLA). `mhla-convert MODEL` converts MODEL.",
+)
+
+
+def _fail(error: Exception) -> None:
+    typer.echo(f"error: {error}", err=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def _step(message: str):
+    """Say what a long step does and how long it took."""
+    typer.echo(f"{message} ...", nl=False)
+    start = time.perf_counter()
+    yield
+    typer.echo(f" done ({time.perf_counter() - start:.1f} s)")
+
+
+def _parse_layers(layers: str | None) -> list[int] | None:
+    if layers is None:
+        return None
+    try:
+        return [int(i) for i in layers.replace(" ", "").split(",") if i]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated layer indices like 1,4,7; got {layers!r}") from None
+
+
+def _default_out(model: str) -> Path:
+    return Path(re.sub(r"[^\w.-]+", "-", Path(model.rstrip("/")).name).strip("-") + "-mhla")
+
+
+@app.command(DEFAULT_COMMAND)
+def convert_command(
+    model: str = typer.Argument(..., help="Alias (see `mhla-convert list`), tiny-* model, hub id or local directory."),
+    ratio: float = typer.Option(1.0, help="Fraction of self-attention layers to convert, in [0, 1]."),
+    strategy: str = typer.Option("spread", help="Which layers for a ratio: spread, first or last."),
+    layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
+    blocks: Optional[str] = typer.Option(None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."),
+    mixing_init: str = typer.Option("locality", help="Mixing init: locality, uniform or a blend weight in [0, 1]."),
+    out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
+    dtype: Optional[str] = typer.Option(None, help="Load and save in this dtype: bf16, fp16 or fp32."),
+    revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
+    push: Optional[str] = typer.Option(None, help="Also push the result to this hub repo id."),
+    private: bool = typer.Option(False, help="With --push: create the repo private."),
+) -> None:
+    """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
+    from .convert import convert
+    from .io import save_pretrained
+    from .models import load_source, resolve
+
+    try:
+        init = float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init
+        source = resolve(model, revision=revision)
+        with _step(f"loading {source.describe()}"):
+            base = load_source(source, torch_dtype=dtype)
+        with _step("converting"):
+            report = convert(base, ratio=ratio, strategy=strategy, layers=_parse_layers(layers), blocks=blocks, mixing_init=init)
+        typer.echo(str(report))
+        target = out or _default_out(model)
+        with _step(f"saving to {target}"):
+            saved = save_pretrained(base, target)
+        typer.echo(f"saved: {saved}")
+        if push:
+            _push(saved, push, private)
+    except (ValueError, OSError) as error:  # UnsupportedModelError is a ValueError; hub errors are OSErrors
+        _fail(error)
+
+
+def _push(directory: Path, repo_id: str, private: bool) -> None:
+    from .hub import push_to_hub
+
+    with _step(f"pushing {directory} to {repo_id}"):
+        url = push_to_hub(directory, repo_id, private=private)
+    typer.echo(f"pushed: {url}")
+
+
+@app.command("list")
+def list_command() -> None:
+    """Show the model aliases, built-in tiny models and supported families."""
+    from .families import families
+    from .models import aliases, tiny_models
+
+    rows = [(alias, family, hub_id) for alias, (family, hub_id) in aliases().items()]
+    rows += [(name, family, "built in, random weights") for name, (family, _) in tiny_models().items()]
+    width = [max(len(r[c]) for r in rows) for c in range(2)]
+    typer.echo("aliases:")
+    for alias, family, where in rows:
+        typer.echo(f"  {alias.ljust(width[0])}  {family.ljust(width[1])}  {where}")
+    typer.echo("families:")
+    for name, cls in sorted(families().items()):
+        typer.echo(f"  {name.ljust(width[1])}  {cls.library}: {', '.join(cls.model_classes)}")
+
+
+@app.command("push")
+def push_command(
+    directory: Path = typer.Argument(..., help="A checkpoint saved by mhla-convert."),
+    repo_id: str = typer.Argument(..., help="Hub repo id, e.g. you/wan2.1-mhla."),
+    private: bool = typer.Option(False, help="Create the repo private."),
+) -> None:
+    """Push a saved MHLA checkpoint to the hub with a generated model card."""
+    try:
+        _push(directory, repo_id, private)
+    except (ValueError, OSError) as error:
+        _fail(error)
+
+
+@app.command("demo")
+def demo_command() -> None:
+    """Convert tiny-wan at ratio 0.67, save, reload and check the outputs match (no downloads)."""
     from .demo import run_demo
 
-    run_demo()
+    try:
+        run_demo()
+    except (ValueError, OSError) as error:
+        _fail(error)
+
+
+def _register_training_commands() -> None:
+    try:  # `finetune` and `sample` live in the training package, once it exists
+        from .train.commands import register
+    except ModuleNotFoundError as error:
+        if error.name not in (f"{__package__}.train", f"{__package__}.train.commands"):
+            raise  # a missing dependency of a present module is a real error
+        return
+    register(app)
+
+
+_register_training_commands()
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ class ConversionReport:
         return sum(layer.params_added for layer in self.layers)
 
     def __str__(self) -> str:
-        rows = [("layer", "attention", "blocks", "M", "grid", "params added")]
+        rows = [("layer", "attention", "blocks", "M", "native grid", "params added")]
         by_index = {layer.index: layer for layer in self.layers}
         for i in range(self.num_layers):
             layer = by_index.get(i)

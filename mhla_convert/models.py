@@ -136,9 +136,12 @@ def resolve(spec: str, *, revision: str | None = None) -> Source:
 
 def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None = None) -> nn.Module:
     """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory or hub id."""
-    source = resolve(spec, revision=revision)
+    return load_source(resolve(spec, revision=revision), torch_dtype=torch_dtype, device=device)
+
+
+def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
     if source.kind == "tiny":
-        return tiny_model(spec, torch_dtype=torch_dtype, device=device)
+        return tiny_model(source.location, torch_dtype=torch_dtype, device=device)
     if source.kind == "converted":
         from .io import from_pretrained
 
