@@ -5,7 +5,7 @@ With m_ij = r[min(i − j, W − 1)], query chunk i reads
 so the state keeps the current chunk's summary, the last W−2 closed chunk summaries and one
 running sum of everything older — its size never grows with the sequence:
 
-    floats per layer = (W + 1) · B · H_kv · D · (D_v + 1)        (kept in float32)
+    floats per layer = W · B · H_kv · D · (D_v + 1)        (kept in float32)
 
 and each token costs O(W · D · D_v), whatever its position. Outputs equal the chunkwise parallel
 form (`mhla_attention(..., causal=True, chunk_size=C)` with `toeplitz_causal_mixing(r, M)`).
