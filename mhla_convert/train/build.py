@@ -1,0 +1,63 @@
+"""The model a recipe trains: a base model loaded and converted (keeping its original attention
+as teachers when a stage needs them), or an already-converted MHLA checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import TrainError
+from .recipe import Recipe
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    adapter: object
+    family: str
+    converted: list[int]
+    teachers: list[nn.Module] = field(default_factory=list)  # originals of the converted layers
+    report: object = None
+
+    def students(self) -> list[nn.Module]:
+        attention = self.adapter.attention_modules(self.model)
+        return [attention[i] for i in self.converted]
+
+
+def build_model(recipe: Recipe) -> Built:
+    from ..convert import PLAN_ATTR, convert
+    from ..families import UnsupportedModelError, adapter_for_model
+    from .transfer import snapshot_attention
+
+    spec, dtype = recipe.model, DTYPES[recipe.model.dtype]
+    try:
+        if spec.checkpoint:
+            from .. import from_pretrained
+
+            model = from_pretrained(spec.checkpoint, torch_dtype=dtype)
+        else:
+            from ..models import load_model
+
+            model = load_model(spec.name, torch_dtype=dtype)
+        adapter = adapter_for_model(model)
+    except (UnsupportedModelError, FileNotFoundError, OSError, ValueError) as exc:
+        what = f"model.checkpoint {spec.checkpoint}" if spec.checkpoint else f"model.name {spec.name}"
+        raise TrainError(f"cannot load {what}: {str(exc).splitlines()[0]}") from None
+    if spec.family and adapter.name != spec.family:
+        raise TrainError(f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} model: use a {spec.family} model or a {adapter.name} recipe")
+    if spec.checkpoint:
+        plan = getattr(model, PLAN_ATTR, None) or {}
+        return Built(model, adapter, adapter.name, list(plan.get("layers", [])))
+    needs_teachers = any(s.name == "attention_transfer" for s in recipe.stages)
+    originals = snapshot_attention(adapter, model) if needs_teachers else []
+    c = recipe.conversion
+    try:
+        report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks, **c.options)
+    except ValueError as exc:
+        raise TrainError(f"conversion: {exc}") from None
+    teachers = [originals[i] for i in report.converted] if originals else []
+    return Built(model, adapter, adapter.name, list(report.converted), teachers, report)

@@ -1,0 +1,114 @@
+"""Each family's own training objective, and how its transformer is called on a batch.
+
+flow matching (SANA, Wan): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, σ and t from the family's
+    `FlowMatchEulerDiscreteScheduler` with its flow shift;
+ε-prediction (DiT, PixArt): the `DDPMScheduler` forward process, target ε; a model that also
+    predicts its variance (out channels = 2 × in) is scored on the first half only;
+next-token cross-entropy (LMs).
+Randomness comes from a generator the trainer seeds per step, so a resumed run draws the same noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .recipe import ObjectiveSpec
+
+FLOW_SHIFT = {"wan": 3.0, "sana": 3.0}
+
+
+def _dit(model, x, t, batch):
+    return model(x, timestep=t, class_labels=batch["class_labels"]).sample
+
+
+def _pixart(model, x, t, batch):
+    base = getattr(model, "module", model)
+    added = {"resolution": None, "aspect_ratio": None}
+    if getattr(base, "use_additional_conditions", False):
+        b, _, h, w = x.shape
+        scale = 8  # VAE downsampling: the pipeline passes pixel sizes
+        added = {"resolution": torch.tensor([[h * scale, w * scale]], device=x.device, dtype=x.dtype).expand(b, 2),
+                 "aspect_ratio": torch.full((b, 1), h / w, device=x.device, dtype=x.dtype)}
+    return model(x, encoder_hidden_states=batch["prompt_embeds"], encoder_attention_mask=batch["prompt_attention_mask"],
+                 timestep=t, added_cond_kwargs=added).sample
+
+
+def _sana(model, x, t, batch):
+    return model(x, encoder_hidden_states=batch["prompt_embeds"], encoder_attention_mask=batch["prompt_attention_mask"], timestep=t).sample
+
+
+def _wan(model, x, t, batch):
+    return model(x, timestep=t, encoder_hidden_states=batch["prompt_embeds"]).sample
+
+
+def _sample_indices(spec: ObjectiveSpec, n: int, generator: torch.Generator) -> torch.Tensor:
+    if spec.timestep_sampling == "logit_normal":
+        u = torch.sigmoid(torch.randn(n, generator=generator))
+    else:
+        u = torch.rand(n, generator=generator)
+    return (u * spec.num_train_timesteps).long().clamp_(max=spec.num_train_timesteps - 1)
+
+
+@dataclass
+class FlowMatching:
+    call: Callable
+    spec: ObjectiveSpec
+    shift: float
+
+    def __post_init__(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.spec.num_train_timesteps, shift=self.shift)
+        self.timesteps, self.sigmas = sched.timesteps.float(), sched.sigmas[:-1].float()
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        x0 = batch["latents"]
+        idx = _sample_indices(self.spec, x0.shape[0], generator)
+        noise = torch.randn(x0.shape, generator=generator).to(x0)
+        sigma = self.sigmas[idx].to(x0).view(-1, *[1] * (x0.ndim - 1))
+        xt = (1 - sigma) * x0 + sigma * noise
+        pred = self.call(model, xt, self.timesteps[idx].to(x0.device), batch)
+        return F.mse_loss(pred.float(), (noise - x0).float())
+
+
+@dataclass
+class EpsPrediction:
+    call: Callable
+    spec: ObjectiveSpec
+
+    def __post_init__(self):
+        from diffusers import DDPMScheduler
+
+        self.scheduler = DDPMScheduler(num_train_timesteps=self.spec.num_train_timesteps)
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        x0 = batch["latents"]
+        t = torch.randint(0, self.spec.num_train_timesteps, (x0.shape[0],), generator=generator)
+        noise = torch.randn(x0.shape, generator=generator).to(x0)
+        xt = self.scheduler.add_noise(x0, noise, t.to(x0.device))
+        pred = self.call(model, xt, t.to(x0.device), batch)
+        if pred.shape[1] == 2 * x0.shape[1]:  # learned sigma: the first half is ε
+            pred = pred[:, : x0.shape[1]]
+        return F.mse_loss(pred.float(), noise.float())
+
+
+@dataclass
+class NextToken:
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def objective_for(family: str, spec: ObjectiveSpec):
+    if family in ("sana", "wan"):
+        return FlowMatching({"sana": _sana, "wan": _wan}[family], spec, spec.flow_shift or FLOW_SHIFT[family])
+    if family in ("dit", "pixart"):
+        return EpsPrediction({"dit": _dit, "pixart": _pixart}[family], spec)
+    if family == "llama":
+        return NextToken()
+    raise ValueError(f"no training objective for family {family!r}")

@@ -1,0 +1,371 @@
+"""The recipe schema (plain dataclasses) and its validation, done before any model loads.
+
+Every key is checked: an unknown or misspelt key, a wrong type or a value outside its choices is a
+`RecipeError` that names the key, the allowed values and the recipe line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import RecipeError
+from .yaml_lines import Located, LocatedList, load
+
+Family = Literal["sana", "wan", "dit", "pixart", "llama"]
+TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")
+
+
+@dataclass
+class ModelSpec:
+    """Either a base model to convert (`name`: alias, hub id or local dir) or an MHLA `checkpoint`."""
+
+    name: str | None = None
+    checkpoint: str | None = None
+    family: Family | None = None  # a guard: refuse a model of another family
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+@dataclass
+class ConversionSpec:
+    ratio: float = 1.0
+    strategy: Literal["spread", "first", "last"] = "spread"
+    layers: list[int] | None = None
+    blocks: str | list[int] | None = None
+    options: dict = field(default_factory=dict)  # MHLAConfig fields
+
+
+@dataclass
+class DataSpec:
+    """Where training examples come from; every kind ends as cached tensors (see data.py)."""
+
+    kind: Literal["synthetic", "folder", "latents", "text"] = "synthetic"
+    path: str | None = None
+    batch_size: int = 1  # per process
+    num_workers: int = 0
+    num_samples: int = 64  # synthetic
+    latent_size: list[int] | None = None  # synthetic: latent (H, W); default: the model's sample size
+    latent_frames: int = 2  # synthetic video latents
+    height: int = 256  # folder: pixels
+    width: int = 256
+    num_frames: int = 17  # folder videos
+    caption_column: str = "text"
+    label_column: str = "label"
+    max_text_length: int = 300
+    encode_batch_size: int = 4
+    cache_dir: str | None = None  # default: <path>/.mhla_cache
+    components: str | None = None  # VAE / text encoder source; default: the base model
+    text_column: str = "text"
+    text_format: Literal["auto", "json", "text", "parquet"] = "auto"
+    context_length: int = 128
+
+
+@dataclass
+class LoraSpec:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    targets: list[str] | None = None  # default: q/k/v/out of every MHLA layer
+    merge: bool = True  # merge into the weights at the end, else save an adapter next to the model
+
+
+@dataclass
+class StageSpec:
+    name: Literal["attention_transfer", "finetune"]
+    steps: int
+    lr: float | None = None  # default: optimizer.lr
+    train: Literal["mhla", "attention", "all", "lora"] = "mhla"
+    lora: LoraSpec | None = None
+
+
+@dataclass
+class OptimizerSpec:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+
+@dataclass
+class ScheduleSpec:
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0  # per stage, capped at the stage's steps
+
+
+@dataclass
+class ObjectiveSpec:
+    flow_shift: float | None = None  # SANA / Wan; default: the family's (3.0)
+    num_train_timesteps: int = 1000
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+
+
+@dataclass
+class LoggingSpec:
+    every: int = 1
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "mhla-finetune"
+
+
+@dataclass
+class PushSpec:
+    repo_id: str
+    private: bool = True
+
+
+@dataclass
+class Recipe:
+    model: ModelSpec
+    data: DataSpec
+    stages: list[StageSpec]
+    conversion: ConversionSpec | None = None
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
+    logging: LoggingSpec = field(default_factory=LoggingSpec)
+    precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_accumulation: int = 1
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 0  # optimizer steps; 0: only at the end of each stage
+    keep_checkpoints: int = 2
+    seed: int = 0
+    push_to_hub: PushSpec | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --- building dataclasses from located YAML -------------------------------------------------------
+
+
+class _Ctx:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, line, problem: str) -> RecipeError:
+        where = f"{self.source}:{line}" if isinstance(line, int) else f"{self.source} ({line})" if line else self.source
+        return RecipeError(f"{where}: {key}: {problem}")
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(tp, str(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _convert(tp, value, key: str, line, ctx: _Ctx):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in (a for a in typing.get_args(tp) if a is not type(None)):
+            try:
+                return _convert(arg, value, key, line, ctx)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise _Mismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Mismatch
+        lines = getattr(value, "item_lines", [line] * len(value))
+        return [_value(typing.get_args(tp)[0], v, f"{key}[{i}]", ln, ctx) for i, (v, ln) in enumerate(zip(value, lines))]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return _build(tp, value, key, line, ctx)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is dict and isinstance(value, dict):
+        return _plain(value)
+    if tp in (str, bool) and isinstance(value, tp):
+        return value
+    raise _Mismatch
+
+
+def _plain(value):
+    """Located YAML containers → plain dicts and lists (they must dump and pickle like any other)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _value(tp, value, key, line, ctx):
+    try:
+        return _convert(tp, value, key, line, ctx)
+    except _Mismatch:
+        raise ctx.fail(key, line, f"expected {_describe(tp)}; got {value!r}") from None
+
+
+def _build(cls, data: dict, prefix: str, line, ctx: _Ctx):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    key_lines = getattr(data, "key_lines", {})
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ctx.fail(name, key_lines.get(key, line), f"unknown key; allowed keys here: {', '.join(fields)}")
+        kwargs[key] = _value(hints[key], value, name, key_lines.get(key, line), ctx)
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ctx.fail(prefix or "recipe", line, f"missing required key(s): {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+# --- cross-field rules ---------------------------------------------------------------------------
+
+
+def _line(data, *path):
+    """The line of a nested key, falling back to its closest located parent."""
+    line = getattr(data, "line", None)
+    for key in path:
+        if isinstance(data, Located) and key in data:
+            line, data = data.key_lines.get(key, line), data[key]
+        elif isinstance(data, LocatedList) and isinstance(key, int) and key < len(data):
+            line, data = data.item_lines[key], data[key]
+        else:
+            break
+    return line
+
+
+def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
+    from ..layer import MHLAConfig
+
+    m = recipe.model
+    if (m.name is None) == (m.checkpoint is None):
+        raise ctx.fail("model", _line(raw, "model"), "give exactly one of model.name (a base model to convert) or model.checkpoint (an MHLA checkpoint)")
+    if m.checkpoint and recipe.conversion is not None:
+        raise ctx.fail("conversion", _line(raw, "conversion"), "a converted checkpoint needs no conversion section; remove it or use model.name")
+    if m.name and recipe.conversion is None:
+        recipe.conversion = ConversionSpec()
+    if recipe.conversion:
+        known = {f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}
+        for key in recipe.conversion.options:
+            if key not in known:
+                raise ctx.fail(f"conversion.options.{key}", _line(raw, "conversion", "options", key), f"unknown MHLA option; allowed: {', '.join(sorted(known))}")
+        if not 0.0 <= recipe.conversion.ratio <= 1.0:
+            raise ctx.fail("conversion.ratio", _line(raw, "conversion", "ratio"), f"must be in [0, 1]; got {recipe.conversion.ratio}")
+    d = recipe.data
+    if d.kind != "synthetic" and not d.path:
+        raise ctx.fail("data.path", _line(raw, "data"), f"data.kind {d.kind!r} needs data.path (a directory or file)")
+    for key in ("batch_size", "num_samples", "context_length", "encode_batch_size"):
+        if getattr(d, key) < 1:
+            raise ctx.fail(f"data.{key}", _line(raw, "data", key), "must be ≥ 1")
+    if not recipe.stages:
+        raise ctx.fail("stages", _line(raw, "stages"), "give at least one stage: attention_transfer and/or finetune")
+    for i, stage in enumerate(recipe.stages):
+        where = _line(raw, "stages", i)
+        if stage.steps < 1:
+            raise ctx.fail(f"stages[{i}].steps", where, f"must be ≥ 1; got {stage.steps}")
+        if stage.name == "attention_transfer":
+            if stage.train != "mhla":
+                raise ctx.fail(f"stages[{i}].train", where, "attention_transfer trains the MHLA layers only; allowed: 'mhla'")
+            if m.checkpoint:
+                raise ctx.fail(f"stages[{i}]", where, "attention_transfer needs the original attention as teacher: use model.name + conversion, not model.checkpoint")
+        if (stage.train == "lora") != (stage.lora is not None):
+            stage.lora = stage.lora or LoraSpec()
+            if stage.train != "lora":
+                raise ctx.fail(f"stages[{i}].lora", where, "a lora section needs train: lora")
+        if stage.train == "lora" and i != len(recipe.stages) - 1:
+            raise ctx.fail(f"stages[{i}].train", where, "a LoRA stage must be the last stage (its adapter is merged or saved at the end)")
+    checks = {"gradient_accumulation": 1, "keep_checkpoints": 1, "checkpoint_every": 0}
+    for key, low in checks.items():
+        if getattr(recipe, key) < low:
+            raise ctx.fail(key, _line(raw, key), f"must be ≥ {low}")
+    for i, tracker in enumerate(recipe.logging.trackers):
+        if tracker not in TRACKERS:
+            raise ctx.fail(f"logging.trackers[{i}]", _line(raw, "logging", "trackers", i), f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)} (or an empty list)")
+    if recipe.logging.every < 1:
+        raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+
+def apply_overrides(raw: Located, overrides: list[str]) -> Located:
+    """`--set optimizer.lr=1e-3 --set stages.0.steps=5`: values parse as YAML."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise RecipeError(f"--set {item}: expected key=value, e.g. --set optimizer.lr=1e-4")
+        parts = key.split(".")
+        node = raw
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise RecipeError(f"--set {item}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; use an index 0 … {len(node) - 1}")
+                idx = int(part)
+                if last:
+                    node[idx] = load(text)
+                node = node[idx]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = load(text)
+                    if isinstance(node, Located):
+                        node.key_lines[part] = f"--set {item}"
+                else:
+                    if part not in node or node[part] is None:
+                        node[part] = Located()
+                        node[part].line, node[part].key_lines = f"--set {item}", {}
+                    node = node[part]
+            else:
+                raise RecipeError(f"--set {item}: {'.'.join(parts[:i])} is not a mapping")
+    return raw
+
+
+def parse_recipe(text: str, source: str = "<recipe>", overrides: list[str] = ()) -> Recipe:
+    try:
+        raw = load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise RecipeError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping with keys model, data, stages, …")
+    raw = apply_overrides(raw, list(overrides))
+    ctx = _Ctx(source)
+    recipe = _build(Recipe, raw, "", getattr(raw, "line", None), ctx)
+    _check(recipe, raw, ctx)
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} not found; give a YAML file (see recipes/)")
+    return parse_recipe(path.read_text(), str(path), overrides)
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
+    return parse_recipe(yaml.safe_dump(data), source)

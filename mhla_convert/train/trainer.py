@@ -1,0 +1,226 @@
+"""The training loop: one Accelerate setup for every stage (single device, DDP or FSDP come from
+`accelerate launch` / its config, not from this code).
+
+Per stage: choose the trainable parameters, build AdamW and the LR schedule, prepare, then step.
+After every optimizer step the mixing matrices are clipped to [0, 1]. Checkpoints carry the model,
+optimizer, schedule and RNG state; batches and noise depend only on (seed, stage, step), so a
+resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from .. import __version__
+from ..mixing import clamp_mixing_
+from . import checkpoints
+from .build import build_model
+from .data import build_dataset, check_data_path, loader
+from .errors import TrainError
+from .metrics import MetricsFile
+from .objectives import objective_for
+from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
+from .recipe import Recipe, StageSpec
+from .transfer import AttentionTransfer
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Tracker configs take scalars only."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _step_generator(seed: int, stage: int, step: int, micro: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(hash((seed, stage, step, micro, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _enable_checkpointing(model) -> None:
+    for name in ("enable_gradient_checkpointing", "gradient_checkpointing_enable"):
+        if hasattr(model, name):
+            getattr(model, name)()
+            return
+    raise TrainError(f"{type(model).__name__} has no gradient checkpointing; set gradient_checkpointing: false")
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = True, log=print):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.recipe, self.out, self.log = recipe, Path(out), log
+        trackers = list(recipe.logging.trackers)
+        self.accelerator = Accelerator(
+            gradient_accumulation_steps=recipe.gradient_accumulation,
+            mixed_precision=recipe.precision,
+            log_with=trackers or None,
+            project_dir=str(self.out),
+            step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the world size
+        )
+        acc = self.accelerator
+        self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
+        if not resume and acc.is_main_process and checkpoints.checkpoint_dir(self.out).exists():
+            raise TrainError(f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)")
+        check_data_path(recipe.data)
+        set_seed(recipe.seed)
+        self.built = build_model(recipe)
+        model = self.built.model
+        if recipe.gradient_checkpointing:
+            _enable_checkpointing(model)
+        self.objective = objective_for(self.built.family, recipe.objective)
+        with acc.main_process_first():
+            self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed,
+                                         components=recipe.data.components or recipe.model.name)
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        start = self.resume_from.step if self.resume_from else 0
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            self.metrics = MetricsFile(self.out / "metrics.jsonl", start)
+        if trackers:
+            acc.init_trackers(recipe.logging.project, config=_flat(recipe.to_dict()))
+
+    # --- one stage ---------------------------------------------------------------------------------
+
+    def _batch(self, batch: dict) -> dict:
+        device = self.accelerator.device
+        return {k: v.to(device, self.dtype if v.is_floating_point() else None) for k, v in batch.items()}
+
+    def _run_stage(self, index: int, stage: StageSpec, begin: int, stop_after: int | None) -> int:
+        """Returns the global step reached."""
+        from transformers import get_scheduler
+
+        acc, recipe, built = self.accelerator, self.recipe, self.built
+        end = begin + stage.steps
+        model = acc.unwrap_model(self.model)
+        acc.free_memory()
+        if stage.train == "lora" and not has_lora(model):
+            add_lora(model, stage.lora)
+        params = select_trainable(model, stage.train, built.adapter)
+        opt = recipe.optimizer
+        optimizer = torch.optim.AdamW(params, lr=stage.lr or opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        scheduler = get_scheduler(recipe.schedule.name, optimizer, num_warmup_steps=min(recipe.schedule.warmup_steps, stage.steps),
+                                  num_training_steps=stage.steps)
+        self.model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        step = begin
+        if self.resume_from and begin < self.resume_from.step <= end:
+            acc.load_state(str(self.resume_from.path))
+            step = self.resume_from.step
+            self.log(f"resumed from {self.resume_from.path} (step {step})")
+        transfer = None
+        if stage.name == "attention_transfer":
+            transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
+        try:
+            return self._steps(index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after)
+        finally:
+            if transfer:
+                transfer.detach()
+
+    def _steps(self, index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after) -> int:
+        acc, recipe = self.accelerator, self.recipe
+        accum, begin = recipe.gradient_accumulation, end - stage.steps
+        batches = iter(loader(self.dataset, recipe.data, seed=recipe.seed + index, start=(step - begin) * accum,
+                              rank=acc.process_index, world=acc.num_processes))
+        samples_per_step = recipe.data.batch_size * accum * acc.num_processes
+        bar = tqdm(total=stage.steps, initial=step - begin, desc=stage.name, disable=not acc.is_local_main_process, dynamic_ncols=True)
+        self.model.train()
+        while step < end:
+            tic, losses, grad_norm = time.perf_counter(), [], None
+            for micro in range(accum):
+                batch = self._batch(next(batches))
+                with acc.accumulate(self.model):
+                    generator = _step_generator(recipe.seed, index, step, micro, acc.process_index)
+                    if transfer:
+                        transfer.take_errors()
+                        self.objective.loss(self.model, batch, generator)
+                        loss = transfer.take_loss()
+                    else:
+                        loss = self.objective.loss(self.model, batch, generator)
+                    acc.backward(loss)
+                    if acc.sync_gradients and recipe.optimizer.grad_clip:
+                        grad_norm = acc.clip_grad_norm_(params, recipe.optimizer.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach().float())
+            loss = acc.gather(torch.stack(losses).mean()[None]).mean().item()
+            if not math.isfinite(loss):
+                kept = checkpoints.latest(self.out, __version__)
+                raise TrainError(
+                    f"loss became {loss} at step {step + 1} ({stage.name}); stopped. "
+                    + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
+                    + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
+                )
+            scheduler.step()
+            clamp_mixing_(model)
+            step += 1
+            lr = scheduler.get_last_lr()[0]
+            throughput = samples_per_step / max(time.perf_counter() - tic, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{throughput:.1f}")
+            if step % recipe.logging.every == 0 or step == end:
+                record = {"step": step, "stage": stage.name, "loss": loss, "lr": lr, "samples_per_s": throughput}
+                if grad_norm is not None:
+                    record["grad_norm"] = float(grad_norm)
+                if acc.is_main_process:
+                    self.metrics.write(record)
+                acc.log({k: v for k, v in record.items() if k != "stage"}, step=step)
+            if (recipe.checkpoint_every and step % recipe.checkpoint_every == 0) or step == end:
+                checkpoints.save(acc, self.out, step, index, __version__, recipe.keep_checkpoints)
+            if stop_after is not None and step >= stop_after:
+                break
+        bar.close()
+        return step
+
+    # --- the whole run -----------------------------------------------------------------------------
+
+    def run(self, stop_after: int | None = None) -> Path | None:
+        """Train every stage and save the final model; returns its directory (None when stopped
+        at step `stop_after`, which simulates an interrupted job)."""
+        done = self.resume_from.step if self.resume_from else 0
+        begin = step = 0
+        for index, stage in enumerate(self.recipe.stages):
+            end = begin + stage.steps
+            if end >= done:  # the stage holding the checkpoint reloads it; earlier ones are skipped
+                step = self._run_stage(index, stage, begin, stop_after)
+                if stop_after is not None and step >= stop_after and step < self.recipe.total_steps:
+                    self.accelerator.end_training()
+                    return None
+            begin = end
+        return self._finish()
+
+    def _finish(self) -> Path:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        target = self.out / "model"
+        if acc.is_main_process:
+            from .. import push_to_hub, save_pretrained
+
+            model = acc.unwrap_model(self.model)
+            if has_lora(model):
+                lora = self.recipe.stages[-1].lora
+                if not lora.merge:
+                    save_adapter(model, self.out / "adapter")
+                remove_lora(model, merge=lora.merge)
+            save_pretrained(model, target)
+            self.log(f"saved {target}")
+            if self.recipe.push_to_hub:
+                push_to_hub(target, self.recipe.push_to_hub.repo_id, private=self.recipe.push_to_hub.private)
+        acc.wait_for_everyone()
+        acc.end_training()
+        return target
+
+
+def train(recipe: Recipe, out: str | Path, *, resume: bool = True, stop_after: int | None = None, log=print) -> Path | None:
+    return Trainer(recipe, out, resume=resume, log=log).run(stop_after=stop_after)
