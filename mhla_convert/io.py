@@ -30,7 +30,7 @@ from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
-from .models import _HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable, parse_dtype
+from .models import _HUB_ID, MHLA_CONFIG, SOURCE_ATTR, _place, hub_unreachable
 
 FORMAT_VERSION = 1
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -61,7 +61,23 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         "base_model_subfolder": source.get("subfolder"),
         "plan": {"num_layers": plan["num_layers"], "layers": plan["layers"]},
         "mhla": plan["mhla_config"],
+        "buffer_dtypes": _unsaved_buffer_dtypes(model),
     }
+
+
+def _unsaved_buffer_dtypes(model: nn.Module) -> dict[str, str]:
+    """Dtypes of non-persistent buffers (e.g. RoPE tables): rebuilt from the config on reload, they
+    must be cast back to what the saved model used for outputs to match bitwise."""
+    saved = set(model.state_dict())
+    return {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers() if name not in saved}
+
+
+def _restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
+    for name, dtype in dtypes.items():
+        module_name, _, key = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if key in module._buffers:
+            module._buffers[key] = module._buffers[key].to(getattr(torch, dtype))
 
 
 def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size) -> None:
@@ -137,14 +153,6 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype | None, keep_fp32: list[str]) -> dict[str, torch.Tensor]:
-    """Cast floating tensors to `dtype`, except those of the model's keep-in-fp32 modules (as diffusers does)."""
-    if dtype is None:
-        return state
-    kept = lambda key: any(name in key.split(".") for name in keep_fp32)  # noqa: E731
-    return {k: v.to(dtype) if v.is_floating_point() and not kept(k) else v for k, v in state.items()}
-
-
 def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
     if path.is_dir():
@@ -168,13 +176,13 @@ def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: s
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
         model = adapter.build(config)
         apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
-    state = _cast(load_state_dict(directory), parse_dtype(torch_dtype), getattr(model, "_keep_in_fp32_modules", None) or [])
     try:
-        model.load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(load_state_dict(directory), strict=True, assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
+    _restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
     setattr(model, SOURCE_ATTR, {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"), "subfolder": meta.get("base_model_subfolder")})
-    return model.to(device).eval() if device is not None else model.eval()
+    return _place(model, torch_dtype, device).eval()
 

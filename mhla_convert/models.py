@@ -54,8 +54,27 @@ def tiny_models() -> dict[str, tuple[str, dict[str, Any]]]:
     return out
 
 
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters and buffers to `dtype`, except the model's `_keep_in_fp32_modules`
+    (what diffusers' `from_pretrained(torch_dtype=...)` does; a plain `.to(dtype)` would cast those
+    too, e.g. Wan's RoPE tables and modulation). Parameters are cast in place, so ties survive."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    for module_name, module in model.named_modules():
+        for key, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is None or not tensor.is_floating_point() or keep & set(f"{module_name}.{key}".split(".")):
+                continue
+            if isinstance(tensor, nn.Parameter):
+                tensor.data = tensor.data.to(dtype)
+            else:
+                module._buffers[key] = tensor.to(dtype)
+    return model
+
+
 def _place(model: nn.Module, torch_dtype, device) -> nn.Module:
-    return model.to(**{k: v for k, v in (("dtype", parse_dtype(torch_dtype)), ("device", device)) if v is not None})
+    dtype = parse_dtype(torch_dtype)
+    if dtype is not None:
+        cast_model(model, dtype)
+    return model.to(device) if device is not None else model
 
 
 def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn.Module:

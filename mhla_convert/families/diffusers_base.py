@@ -192,14 +192,13 @@ class DiffusersAdapter(FamilyAdapter):
     def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1) -> dict[str, Any]:
         """Latents for `grid` (default: the model's native grid) and a timestep; families add their conditioning."""
         grid = grid or self.native_grid(model)
-        param = next(model.parameters())
         sizes = [g * p for g, p in zip(grid, self.patch_size(model))]
-        latents = torch.randn(batch_size, model.config.in_channels, *sizes, device=param.device, dtype=param.dtype)
-        return {"hidden_states": latents, "timestep": torch.randint(0, 1000, (batch_size,), device=param.device)}
+        latents = torch.randn(batch_size, model.config.in_channels, *sizes, device=model.device, dtype=model.dtype)
+        return {"hidden_states": latents, "timestep": torch.randint(0, 1000, (batch_size,), device=model.device)}
 
     def _text(self, model: nn.Module, batch_size: int, length: int, width: int) -> torch.Tensor:
-        param = next(model.parameters())
-        return torch.randn(batch_size, length, width, device=param.device, dtype=param.dtype)
+        # model.dtype skips the keep-in-fp32 modules (Wan's modulation table comes first)
+        return torch.randn(batch_size, length, width, device=model.device, dtype=model.dtype)
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         return self.model_class.from_config(config)

@@ -1,0 +1,35 @@
+"""Shared fixtures. Every test runs offline: the hub client is put in offline mode, so any
+accidental download fails at once instead of reaching the network."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture
+def tiny():
+    """tiny("tiny-wan", torch_dtype=...) -> a fresh built-in tiny model with fixed random weights."""
+    from mhla_convert.models import tiny_model
+
+    return tiny_model
+
+
+@pytest.fixture
+def run_model():
+    """run_model(model, inputs) -> the model's main output tensor, without autograd."""
+    import torch
+
+    def run(model, inputs):
+        with torch.no_grad():
+            out = model(**inputs)
+        return out.sample if hasattr(out, "sample") else out.logits
+
+    return run
