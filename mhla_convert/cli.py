@@ -44,7 +44,11 @@ def _step(message: str):
     """Say what a long step does and how long it took."""
     typer.echo(f"{message} ...", nl=False)
     start = time.perf_counter()
-    yield
+    try:
+        yield
+    except BaseException:
+        typer.echo(" failed")
+        raise
     typer.echo(f" done ({time.perf_counter() - start:.1f} s)")
 
 
@@ -76,17 +80,21 @@ def convert_command(
     private: bool = typer.Option(False, help="With --push: create the repo private."),
 ) -> None:
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
-    from .convert import convert
+    from .convert import convert, parse_blocks
     from .io import save_pretrained
-    from .models import load_source, resolve
+    from .models import load_source, parse_dtype, resolve
+    from .plan import plan_layers
 
-    try:
-        init = float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init
+    try:  # check every option before a possibly long download
+        options = dict(layers=_parse_layers(layers), blocks=parse_blocks(blocks), mixing_init=float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init)
+        torch_dtype = parse_dtype(dtype)
+        if options["layers"] is None:
+            plan_layers(1, ratio=ratio, strategy=strategy)
         source = resolve(model, revision=revision)
         with _step(f"loading {source.describe()}"):
-            base = load_source(source, torch_dtype=dtype)
+            base = load_source(source, torch_dtype=torch_dtype)
         with _step("converting"):
-            report = convert(base, ratio=ratio, strategy=strategy, layers=_parse_layers(layers), blocks=blocks, mixing_init=init)
+            report = convert(base, ratio=ratio, strategy=strategy, **options)
         typer.echo(str(report))
         target = out or _default_out(model)
         with _step(f"saving to {target}"):

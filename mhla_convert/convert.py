@@ -61,7 +61,7 @@ def _prod(xs) -> int:
     return out
 
 
-def _parse_blocks(blocks) -> tuple[int, ...] | None:
+def parse_blocks(blocks) -> tuple[int, ...] | None:
     if blocks is None or isinstance(blocks, tuple):
         return blocks
     if isinstance(blocks, str):
@@ -89,7 +89,7 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known - {'blocks', 'causal'})}")
-    blocks = _parse_blocks(blocks)
+    blocks = parse_blocks(blocks)
     if adapter.causal and blocks is not None:
         raise ValueError(f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
     if not adapter.causal:

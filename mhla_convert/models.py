@@ -148,6 +148,8 @@ def resolve(spec: str, *, revision: str | None = None) -> Source:
         if not path.is_dir():
             raise ValueError(f"{spec} is a file; give a model directory, a hub id or an alias (mhla-convert list)")
         return _local_source(path)
+    if spec.startswith((".", "/", "~")):
+        raise ValueError(f"{spec}: no such directory")
     if not _HUB_ID.match(spec):
         raise ValueError(f"{spec!r} is neither an alias (see `mhla-convert list`), a directory nor a hub id")
     return _hub_source(spec, revision)

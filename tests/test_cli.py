@@ -1,0 +1,98 @@
+"""The mhla-convert CLI end to end, offline (typer's CliRunner)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mhla_convert import from_pretrained
+from mhla_convert.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def base_dir(tiny, tmp_path):
+    """A tiny Wan saved the way diffusers pipelines keep it: <dir>/transformer/ beside model_index.json."""
+    root = tmp_path / "wan-pipeline"
+    tiny("tiny-wan").save_pretrained(root / "transformer")
+    (root / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    return root
+
+
+def test_convert_is_the_default_command_on_a_local_pipeline_dir(base_dir, tmp_path):
+    out = tmp_path / "out"
+    result = invoke(base_dir, "--ratio", 0.67, "--blocks", "2x3x3", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "loading local model" in result.output and "subfolder transformer" in result.output
+    assert "4 of 6" in result.output and f"saved: {out}" in result.output
+    model = from_pretrained(out)
+    assert model.mhla_plan["layers"] == [1, 2, 4, 5] and model.mhla_plan["mhla_config"]["blocks"] == [2, 3, 3]
+    assert model.mhla_source["base_model"] == str(base_dir)
+
+
+def test_explicit_convert_command_layers_dtype_and_default_out(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("convert", "tiny-dit", "--layers", "0,3", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    model = from_pretrained(tmp_path / "tiny-dit-mhla")
+    assert model.mhla_plan["layers"] == [0, 3] and model.transformer_blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+
+
+def test_push_option_uploads(tiny, tmp_path, monkeypatch):
+    pushed = {}
+    monkeypatch.setattr("mhla_convert.hub.push_to_hub", lambda directory, repo_id, private=None: pushed.update(dir=directory, repo=repo_id, private=private) or f"https://huggingface.co/{repo_id}")
+    result = invoke("tiny-sana", "--ratio", 0.5, "--out", tmp_path / "s", "--push", "me/sana-mhla", "--private")
+    assert result.exit_code == 0, result.output
+    assert pushed == {"dir": tmp_path / "s", "repo": "me/sana-mhla", "private": True}
+    assert "pushed: https://huggingface.co/me/sana-mhla" in result.output
+
+
+def test_list_shows_aliases_tiny_models_and_families():
+    result = invoke("list")
+    assert result.exit_code == 0
+    for word in ("wan2.1", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "sana-1600m", "dit-xl-2-256", "tiny-wan-i2v", "PixArtTransformer2DModel"):
+        assert word in result.output
+
+
+def test_demo_runs():
+    result = invoke("demo")
+    assert result.exit_code == 0, result.output
+    assert "bitwise identical" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tiny-dit", "--ratio", "1.5"], "ratio must be in [0, 1]"),
+    (["tiny-dit", "--layers", "2,9"], "out of range"),
+    (["tiny-dit", "--layers", "a,b"], "comma-separated"),
+    (["tiny-wan", "--blocks", "4x4"], "blocks must have 3 axes"),
+    (["tiny-dit", "--dtype", "int3"], "dtype must be one of"),
+    (["wan2.1"], "pass a local directory"),  # the hub is unreachable in tests
+    (["no/such-model-anywhere"], "pass a local directory"),
+    (["./no-such-dir"], "no such directory"),
+    (["bad name!"], "neither an alias"),
+])
+def test_errors_are_one_line(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_unsupported_architecture_names_the_families(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=10)).save_pretrained(tmp_path / "bert")
+    result = invoke(tmp_path / "bert", "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "unsupported model" in result.output and "supported families: dit" in result.output
+
+
+def test_push_command_on_a_base_model_dir_is_a_clear_error(base_dir):
+    result = invoke("push", base_dir / "transformer", "me/x")
+    assert result.exit_code == 2 and "no mhla_config.json" in result.output
