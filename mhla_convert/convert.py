@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ class ConversionReport:
                 rows.append((str(i), "softmax (kept)", "", "", "", ""))
                 continue
             blocks = "x".join(map(str, layer.blocks)) if layer.blocks else f"chunk {self.config.get('chunk_size')}"
-            m = str(_prod(layer.blocks)) if layer.blocks else "-"
+            m = str(math.prod(layer.blocks)) if layer.blocks else "-"
             grid = "x".join(map(str, layer.grid)) if layer.grid else "any"
             rows.append((str(i), "MHLA", blocks, m, grid, f"{layer.params_added:,}"))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -52,13 +53,6 @@ class ConversionReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         head = f"{self.family}: {len(self.converted)} of {self.num_layers} self-attention layers -> MHLA, {self.params_added:,} parameters added"
         return "\n".join([head, *lines])
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def parse_blocks(blocks) -> tuple[int, ...] | None:
