@@ -39,7 +39,8 @@ def select_trainable(model: nn.Module, mode: str, adapter) -> list:
 def lora_targets(model: nn.Module, spec: LoraSpec) -> list[str]:
     if spec.targets:
         return list(spec.targets)
-    return [f"{name}.{linear}" for name, _ in mhla_layers(model) for linear in MHLA_LINEARS]
+    return [f"{name}.{sub}" for name, layer in mhla_layers(model) for sub, m in layer.named_modules()
+            if isinstance(m, nn.Linear) and sub.split(".")[0] in MHLA_LINEARS]
 
 
 def add_lora(model: nn.Module, spec: LoraSpec) -> None:

@@ -43,7 +43,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def _step_generator(seed: int, stage: int, step: int, micro: int, rank: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash((seed, stage, step, micro, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+    """Seed the global RNG (label dropout, LoRA dropout, …) and return a generator for the
+    objective's noise, both from (seed, stage, step, micro-step, rank) alone: a resumed run draws
+    exactly what the uninterrupted run drew, whatever else consumed random numbers before."""
+    derived = hash((seed, stage, step, micro, rank)) & 0x7FFF_FFFF_FFFF_FFFF
+    torch.manual_seed(derived)
+    return torch.Generator().manual_seed(derived)
 
 
 def _enable_checkpointing(model) -> None:
