@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..mixing import clamp_mixing_
+from ..models import SOURCE_ATTR
 from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
@@ -84,9 +85,9 @@ class Trainer:
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
         self.objective = objective_for(self.built.family, recipe.objective)
-        with acc.main_process_first():
-            self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed,
-                                         components=recipe.data.components or recipe.model.name)
+        base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+        with acc.main_process_first():  # one process encodes, the others read its cache
+            self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed, components=recipe.data.components or base)
         self.model = model
         self.dtype = next(model.parameters()).dtype
         start = self.resume_from.step if self.resume_from else 0
