@@ -81,6 +81,8 @@ class Trainer:
         check_data_path(recipe.data)
         set_seed(recipe.seed)
         self.built = build_model(recipe)
+        if self.built.report is not None and acc.is_main_process:
+            self.log(str(self.built.report))
         model = self.built.model
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
