@@ -119,8 +119,9 @@ class Trainer:
         params = select_trainable(model, stage.train, built.adapter)
         opt = recipe.optimizer
         optimizer = torch.optim.AdamW(params, lr=stage.lr or opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
-        scheduler = get_scheduler(recipe.schedule.name, optimizer, num_warmup_steps=min(recipe.schedule.warmup_steps, stage.steps),
-                                  num_training_steps=stage.steps)
+        warmup = min(recipe.schedule.warmup_steps, stage.steps)
+        name = "constant_with_warmup" if recipe.schedule.name == "constant" and warmup else recipe.schedule.name
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=stage.steps)
         self.model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
         step = begin
         if self.resume_from and begin < self.resume_from.step <= end:
