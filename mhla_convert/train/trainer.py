@@ -71,7 +71,7 @@ class Trainer:
             gradient_accumulation_steps=recipe.gradient_accumulation,
             mixed_precision=recipe.precision,
             log_with=trackers or None,
-            project_dir=str(self.out),
+            project_dir=str(self.out / "logs"),  # tracker files (TensorBoard: logs/<project>/)
             step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the world size
         )
         acc = self.accelerator
