@@ -133,23 +133,36 @@ def _readout_kernel(
     H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
 ):
-    """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for one token tile of block i; causal adds the query's
-    own chunk, weighted by m_ii, as a masked tile product."""
-    bh, m, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
+    adds the query's own chunk, weighted by m_ii, as a masked tile product."""
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
-    j = tile * BT + tl.arange(0, BT)
+    sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
+    st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    if NORMALIZE:
+        zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+    for t in range(TILES_PER_PROG):
+        j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
+        _readout_tile(Q, K, V, O, st, zt if NORMALIZE else st, MIX, j, m, b, h, d, e, dm, em,
+                      sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, HKV_GROUP, M, MIX_SH, scale, eps,
+                      L0, L1, L2, S0, S1, S2, NB1, NB2, T, PHI, NORMALIZE, CAUSAL, DOT_PREC)
+
+
+@triton.jit
+def _readout_tile(Q, K, V, O, st, zt, MIX, j, m, b, h, d, e, dm, em,
+                  sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, HKV_GROUP, M, MIX_SH, scale, eps,
+                  L0, L1, L2, S0, S1, S2, NB1, NB2, T,
+                  PHI: tl.constexpr, NORMALIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
     fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
     fq = fq * scale
-    sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
-    st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
     num = tl.dot(fq.to(st.dtype), st, input_precision=DOT_PREC)
     if NORMALIZE:
-        den = tl.sum(fq * tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)[None, :], 1)
+        den = tl.sum(fq * zt[None, :], 1)
     if CAUSAL:
         mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
         hk = h // HKV_GROUP

@@ -24,6 +24,11 @@ _PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # one (D, Dv) summary tile lives in registers
 MAX_CHUNK = 128  # a causal chunk is one tile
+# launch shapes (module attributes so benchmarks/kernel_breakdown.py can sweep them)
+TILE_TOKENS = 64  # token tile of the non-causal kernels
+WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
+MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 
 
 def interpreting() -> bool:
@@ -57,7 +62,7 @@ def _programs_wanted(device) -> int:
     """Enough programs to fill the GPU a few times over (a split threshold, nothing more)."""
     if device.type != "cuda":
         return 1
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
@@ -122,12 +127,12 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     grid, size, blocks = pad + layout.grid, pad + layout.block_size, pad + layout.blocks
     t = layout.tokens_per_block
     geometry = dict(L0=grid[0], L1=grid[1], L2=grid[2], S0=size[0], S1=size[1], S2=size[2], NB1=blocks[1], NB2=blocks[2], T=t)
-    bt = _p2(t) if causal else min(64, _p2(t))
+    bt = _p2(t) if causal else min(TILE_TOKENS, _p2(t))
     bd, bdv = _p2(dim), _p2(dv)
     return _Plan(
         batch, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks, dim * dv + dim, causal,
         _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
-        "ieee" if q.dtype == torch.float32 else "tf32", per_head, 8 if max(bd, bdv) >= 128 else 4,
+        "ieee" if q.dtype == torch.float32 else "tf32", per_head, WIDE_WARPS if max(bd, bdv) >= 128 else 4,
     )
 
 
@@ -150,11 +155,11 @@ def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
         h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
     else:
         h_out, r, gx, a_si, a_sk, mask = p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
-    bm, bn, bk = 64, 64, 32
+    bm, bn, bk, warps = MIX_TILES
     grid = (p.batch * h_out, triton.cdiv(m, bm), triton.cdiv(cols, bn))
     K._mix_kernel[grid](
         mixing, x, out, cols, h_out, gx, p.mix_sh, a_si, a_sk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4,
+        M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps,
     )
     return out
 
@@ -164,10 +169,10 @@ def _forward(p: _Plan, q, k, v, mixing):
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
     o = _new(p.batch, q.shape[1], p.heads, p.dv, device=q.device, dtype=q.dtype)
-    grid = (p.batch * p.heads, p.m, triton.cdiv(p.geometry["T"], p.bt))
-    K._readout_kernel[grid](
+    splits, per = _split(triton.cdiv(p.geometry["T"], p.bt), p.batch * p.heads * p.m, _programs_wanted(q.device))
+    K._readout_kernel[(p.batch * p.heads, p.m, splits)](
         q, k, v, st, mixing, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o), p.heads,
-        NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, **p.heads_kw(), **p.tile_kw(),
+        NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=per, **p.heads_kw(), **p.tile_kw(),
     )
     return s, st, o
 

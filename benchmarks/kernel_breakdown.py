@@ -1,0 +1,63 @@
+"""Where the Triton path's time goes, and how the launch shapes move it: times the summaries
+launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
+per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
+
+    python benchmarks/kernel_breakdown.py
+"""
+
+from __future__ import annotations
+
+
+import torch
+from triton.testing import do_bench
+
+from mhla_convert.kernels import mhla_triton as MT
+from mhla_convert.ops import BlockLayout
+from mhla_convert.ops.feature_maps import resolve_feature_map
+
+SHAPES = {  # name -> (H, D, layout, causal)
+    "wan-31500": (12, 128, BlockLayout.create((21, 30, 50), (7, 3, 5)), False),
+    "dit-16384": (16, 72, BlockLayout.create((128, 128), (8, 8)), False),
+    "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
+    "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
+}
+KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 32}), ("TILE_TOKENS", {"TILE_TOKENS": 128}),
+         ("WIDE_WARPS", {"WIDE_WARPS": 4}), ("PROGRAMS_PER_SM", {"PROGRAMS_PER_SM": 16}),
+         ("MIX_TILES", {"MIX_TILES": (64, 128, 32, 4)}), ("MIX_TILES", {"MIX_TILES": (128, 64, 32, 8)}),
+         ("MIX_TILES", {"MIX_TILES": (32, 128, 32, 4)})]
+
+
+def breakdown(heads, dim, layout, causal):
+    n = layout.num_tokens
+    q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m = layout.num_blocks
+    mixing = torch.rand(m, m, device="cuda")
+    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=resolve_feature_map("relu"), normalize=True,
+                    scale=dim**-0.5, eps=1e-6)
+    s, st, o = MT._forward(plan, q, k, v, mixing)
+    do = torch.randn_like(o)
+    t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
+    return dict(
+        summaries=t(lambda: MT._summaries(plan, k, v)),
+        mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
+        fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
+        bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
+    )
+
+
+def main():
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES")}
+    print("| shape | setting | summaries | mix | fwd | bwd | (ms) |")
+    for shape, args in SHAPES.items():
+        for label, change in KNOBS:
+            for name, value in {**defaults, **change}.items():
+                setattr(MT, name, value)
+            r = breakdown(*args)
+            setting = "default" if not change else f"{label}={list(change.values())[0]}"
+            print(f"| {shape} | {setting} | " + " | ".join(f"{r[key]:.3f}" for key in r) + " |", flush=True)
+    for name, value in defaults.items():
+        setattr(MT, name, value)
+
+
+if __name__ == "__main__":
+    main()
