@@ -11,7 +11,6 @@ import mhla_convert
 from mhla_convert.train.commands import register
 from mhla_convert.train.demo import run_pipeline_demo
 from mhla_convert.train.metrics import read_metrics
-from mhla_convert.train.sampling import sample
 
 BLOCKS = {"wan": "1x2x2"}
 

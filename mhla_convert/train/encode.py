@@ -72,7 +72,7 @@ def _resize(frame: np.ndarray, height: int, width: int) -> torch.Tensor:
     img = img.resize((max(width, round(img.width * scale)), max(height, round(img.height * scale))), Image.BICUBIC)
     left, top = (img.width - width) // 2, (img.height - height) // 2
     img = img.crop((left, top, left + width, top + height))
-    return torch.from_numpy(np.asarray(img)).permute(2, 0, 1).float() / 127.5 - 1.0
+    return torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 def _read(path: Path, spec: DataSpec, video: bool) -> torch.Tensor:

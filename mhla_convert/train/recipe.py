@@ -11,7 +11,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
@@ -366,6 +366,3 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise RecipeError(f"recipe {path} not found; give a YAML file (see recipes/)")
     return parse_recipe(path.read_text(), str(path), overrides)
 
-
-def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
-    return parse_recipe(yaml.safe_dump(data), source)

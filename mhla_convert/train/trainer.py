@@ -76,7 +76,7 @@ class Trainer:
         )
         acc = self.accelerator
         self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
-        if not resume and acc.is_main_process and checkpoints.checkpoint_dir(self.out).exists():
+        if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)")
         check_data_path(recipe.data)
         set_seed(recipe.seed)
