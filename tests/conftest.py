@@ -3,7 +3,15 @@ accidental download fails at once instead of reaching the network."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter. It must be chosen before anything
+# (diffusers, the kernels) imports triton, so set it here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)
