@@ -28,7 +28,8 @@ class Built:
         return [attention[i] for i in self.converted]
 
 
-def build_model(recipe: Recipe) -> Built:
+def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
+    """`teachers=False` skips copying the original attention (rebuilding a model to load weights into)."""
     from ..convert import PLAN_ATTR, convert
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
@@ -52,12 +53,12 @@ def build_model(recipe: Recipe) -> Built:
     if spec.checkpoint:
         plan = getattr(model, PLAN_ATTR, None) or {}
         return Built(model, adapter, adapter.name, list(plan.get("layers", [])))
-    needs_teachers = any(s.name == "attention_transfer" for s in recipe.stages)
+    needs_teachers = teachers and any(s.name == "attention_transfer" for s in recipe.stages)
     originals = snapshot_attention(adapter, model) if needs_teachers else []
     c = recipe.conversion
     try:
         report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks, **c.options)
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
-    teachers = [originals[i] for i in report.converted] if originals else []
-    return Built(model, adapter, adapter.name, list(report.converted), teachers, report)
+    kept = [originals[i] for i in report.converted] if originals else []
+    return Built(model, adapter, adapter.name, list(report.converted), kept, report)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from .. import __version__
@@ -79,6 +80,13 @@ class Trainer:
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)")
         check_data_path(recipe.data)
+        if acc.distributed_type == DistributedType.FSDP and len(recipe.stages) > 1:
+            raise TrainError("under FSDP run one stage per invocation (a sharded model cannot be re-wrapped between stages): "
+                             "first --set 'stages=[<attention_transfer stage>]', then fine-tune with model.checkpoint: <that run>/model")
+        if (acc.distributed_type == DistributedType.FSDP and acc.state.fsdp_plugin.fsdp_version == 1
+                and recipe.stages[0].name == "attention_transfer"):
+            raise TrainError("attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
+                             "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage")
         set_seed(recipe.seed)
         self.built = build_model(recipe)
         if self.built.report is not None and acc.is_main_process:
@@ -123,11 +131,13 @@ class Trainer:
         name = "constant_with_warmup" if recipe.schedule.name == "constant" and warmup else recipe.schedule.name
         scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=stage.steps)
         self.model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded parameters
         step = begin
         if self.resume_from and begin < self.resume_from.step <= end:
             acc.load_state(str(self.resume_from.path))
             step = self.resume_from.step
-            self.log(f"resumed from {self.resume_from.path} (step {step})")
+            if acc.is_main_process:
+                self.log(f"resumed from {self.resume_from.path} (step {step})")
         transfer = None
         if stage.name == "attention_transfer":
             transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
@@ -209,14 +219,29 @@ class Trainer:
             begin = end
         return self._finish()
 
+    def _gathered_model(self):
+        """The trained model with full weights on the main process (None elsewhere). Under FSDP the
+        wrapped model only holds shards: gather the state dict and load it into a fresh build."""
+        acc = self.accelerator
+        if acc.distributed_type != DistributedType.FSDP:
+            return acc.unwrap_model(self.model) if acc.is_main_process else None
+        state = acc.get_state_dict(self.model)  # collective
+        if not acc.is_main_process:
+            return None
+        model = build_model(self.recipe, teachers=False).model
+        if has_lora(acc.unwrap_model(self.model)):
+            add_lora(model, self.recipe.stages[-1].lora)
+        model.load_state_dict(state)
+        return model
+
     def _finish(self) -> Path:
         acc = self.accelerator
         acc.wait_for_everyone()
         target = self.out / "model"
+        model = self._gathered_model()
         if acc.is_main_process:
             from .. import push_to_hub, save_pretrained
 
-            model = acc.unwrap_model(self.model)
             if has_lora(model):
                 lora = self.recipe.stages[-1].lora
                 if not lora.merge:
