@@ -61,6 +61,18 @@ def _enable_checkpointing(model) -> None:
     raise TrainError(f"{type(model).__name__} has no gradient checkpointing; set gradient_checkpointing: false")
 
 
+def _refuse_unsupported_fsdp(acc, recipe: Recipe) -> None:
+    """What FSDP cannot do here, said before any model loads."""
+    if acc.distributed_type != DistributedType.FSDP:
+        return
+    if len(recipe.stages) > 1:
+        raise TrainError("under FSDP run one stage per invocation (a sharded model cannot be re-wrapped between stages): "
+                         "first --set 'stages=[<attention_transfer stage>]', then fine-tune with model.checkpoint: <that run>/model")
+    if acc.state.fsdp_plugin.fsdp_version == 1 and recipe.stages[0].name == "attention_transfer":
+        raise TrainError("attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
+                         "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage")
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, out: str | Path, *, resume: bool = True, log=print):
         from accelerate import Accelerator
@@ -80,13 +92,7 @@ class Trainer:
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)")
         check_data_path(recipe.data)
-        if acc.distributed_type == DistributedType.FSDP and len(recipe.stages) > 1:
-            raise TrainError("under FSDP run one stage per invocation (a sharded model cannot be re-wrapped between stages): "
-                             "first --set 'stages=[<attention_transfer stage>]', then fine-tune with model.checkpoint: <that run>/model")
-        if (acc.distributed_type == DistributedType.FSDP and acc.state.fsdp_plugin.fsdp_version == 1
-                and recipe.stages[0].name == "attention_transfer"):
-            raise TrainError("attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
-                             "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage")
+        _refuse_unsupported_fsdp(acc, recipe)
         set_seed(recipe.seed)
         self.built = build_model(recipe)
         if self.built.report is not None and acc.is_main_process:
