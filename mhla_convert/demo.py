@@ -1,7 +1,8 @@
-"""`make demo`: the converter end to end on an embedded default — tiny Wan2.1, offline, seconds.
+"""`make demo`: the main job end to end on an embedded default — tiny Wan2.1, offline, seconds.
 
-Convert 2/3 of its self-attention layers, check one converted layer against the explicit O(N²)
-MHLA on its own q/k/v, save, reload, and check the reloaded model's output is bitwise the same.
+First the converter: convert 2/3 of the self-attention layers, check one converted layer against
+the explicit O(N²) MHLA on its own q/k/v, save, reload, check the output is bitwise the same.
+Then the whole pipeline: convert → attention transfer → fine-tune → save → reload → sample.
 """
 
 from __future__ import annotations
@@ -21,18 +22,22 @@ from .ops import mhla_attention_reference
 MODEL, RATIO, GRID = "tiny-wan", 0.67, (8, 7, 9)  # frames x height x width patches; no axis divides into 7x3x5
 
 
-def _check_layer_against_reference(model, inputs) -> float:
-    """Max |layer output − O(N²) reference on the layer's own q/k/v| for the first converted layer."""
+def layer_reference_error(model, inputs, grid) -> float:
+    """Max |first converted layer's output − explicit O(N²) MHLA on that layer's own q/k/v and `grid`|.
+
+    Proves end to end that the grid captured from the model's forward, the block layout and the
+    fast path agree with the definition."""
     _, layer = mhla_layers(model)[0]
     seen = {}
     hook = layer.register_forward_hook(lambda module, args, out: seen.update(args=args, out=out))
     with torch.no_grad():
         model(**inputs)
         hook.remove()
-        x, (cos, sin) = seen["args"][0], seen["args"][3]
-        q, k, v = layer.project(x, lambda q, k: (rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin)))
+        x, rope = seen["args"][0], (seen["args"][3] if len(seen["args"]) > 3 else None)
+        rotary = None if rope is None else (lambda q, k: (rotate_interleaved(q, *rope), rotate_interleaved(k, *rope)))
+        q, k, v = layer.project(x, rotary)
         cfg = layer.config
-        ref = mhla_attention_reference(q, k, v, layer.mixing, grid=GRID, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
+        ref = mhla_attention_reference(q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
         return (layer.output(ref) - seen["out"]).abs().max().item()
 
 
@@ -43,7 +48,7 @@ def run_demo() -> None:
     print(f"{MODEL}: {sum(p.numel() for p in model.parameters()):,} parameters, input {tuple(inputs['hidden_states'].shape)} -> token grid {GRID}")
     report = convert(model, ratio=RATIO)
     print(report)
-    error = _check_layer_against_reference(model, inputs)
+    error = layer_reference_error(model, inputs, GRID)
     print(f"first MHLA layer vs explicit O(N^2) reference: max |diff| = {error:.2e}")
     with torch.no_grad():
         before = model(**inputs).sample
@@ -56,3 +61,7 @@ def run_demo() -> None:
     print(f"saved, reloaded: outputs {'bitwise identical' if same else 'DIFFER'} ({tuple(after.shape)})")
     if not same or error > 1e-4:
         raise SystemExit("demo check failed")
+    print()
+    from .train.demo import run_pipeline_demo
+
+    run_pipeline_demo()

@@ -9,7 +9,8 @@ import torch
 
 from mhla_convert import convert, mhla_layers
 from mhla_convert.families import UnsupportedModelError, adapter_for_model
-from mhla_convert.families.diffusers_base import DiffusersMHLA, fitted_blocks, rotate_interleaved
+from mhla_convert.demo import layer_reference_error
+from mhla_convert.families.diffusers_base import DiffusersMHLA, fitted_blocks
 from mhla_convert.ops import mhla_attention_reference
 
 # (tiny model, a token grid whose axes the default blocks do not divide)
@@ -69,22 +70,6 @@ def test_pretrained_weights_move_in_and_only_mixing_is_new(tiny):
     assert type(cross).__name__ == "WanAttention"  # cross-attention untouched
 
 
-def _reference_error(model, grid, inputs) -> float:
-    """Max |converted layer output − explicit O(N²) MHLA on that layer's own q/k/v and the true grid|."""
-    _, layer = mhla_layers(model)[0]
-    seen = {}
-    hook = layer.register_forward_hook(lambda module, args, out: seen.update(args=args, out=out))
-    with torch.no_grad():
-        model(**inputs)
-        hook.remove()
-        x, rope = seen["args"][0], (seen["args"][3] if len(seen["args"]) > 3 else None)
-        rotary = None if rope is None else (lambda q, k: (rotate_interleaved(q, *rope), rotate_interleaved(k, *rope)))
-        q, k, v = layer.project(x, rotary)
-        cfg = layer.config
-        ref = mhla_attention_reference(q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
-        return (layer.output(ref) - seen["out"]).abs().max().item()
-
-
 @pytest.mark.parametrize("name, grid, blocks", [
     ("tiny-sana", (7, 9), "3x4"), ("tiny-pixart", (7, 9), (2, 4)), ("tiny-dit", (6, 6), (4, 4)),
     ("tiny-wan", (5, 6, 7), "2x4x3"), ("tiny-wan-i2v", (3, 4, 5), (2, 2, 2)),
@@ -92,7 +77,7 @@ def _reference_error(model, grid, inputs) -> float:
 def test_layer_matches_quadratic_reference_on_captured_grid(tiny, name, grid, blocks):
     model = tiny(name)
     convert(model, blocks=blocks)
-    assert _reference_error(model, grid, _inputs(model, grid)) < 1e-5
+    assert layer_reference_error(model, _inputs(model, grid), grid) < 1e-5
 
 
 def test_grid_smaller_than_blocks_is_clamped_to_the_present_blocks(tiny, run_model):
