@@ -2,7 +2,10 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py
+    python benchmarks/kernel_breakdown.py [--fwd-sweep [--best FILE.json]]
+
+--fwd-sweep times the forward per (Dv slices, warps, stages) setting of the summaries and readout
+launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from mhla_convert.ops import BlockLayout
 from mhla_convert.ops.feature_maps import resolve_feature_map
 
 SHAPES = {  # name -> (H, D, layout, causal)
+    "dit-1024": (16, 72, BlockLayout.create((32, 32), (4, 4)), False),
+    "sana-1024": (70, 32, BlockLayout.create((32, 32), (4, 4)), False),
     "wan-31500": (12, 128, BlockLayout.create((21, 30, 50), (7, 3, 5)), False),
     "dit-16384": (16, 72, BlockLayout.create((128, 128), (8, 8)), False),
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
@@ -27,7 +32,7 @@ KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 32}), ("TILE_TOKENS", 
          ("MIX_TILES", {"MIX_TILES": (32, 128, 32, 4)})]
 
 
-def breakdown(heads, dim, layout, causal):
+def breakdown(heads, dim, layout, causal, backward=True):
     n = layout.num_tokens
     q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = layout.num_blocks
@@ -41,11 +46,47 @@ def breakdown(heads, dim, layout, causal):
         summaries=t(lambda: MT._summaries(plan, k, v)),
         mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
-        bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
+        **(dict(bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True))) if backward else {}),
     )
 
 
+# forward launch shapes tried per shape (Dv slices, warps, stages), against FWD_CONFIGS = {} (1, plan warps, default)
+FWD_SWEEP = [(1, 4, None), (1, 8, 3), (2, 4, None), (2, 4, 3), (2, 4, 4), (2, 8, 3), (4, 4, 3), (1, 4, 4)]
+
+
+def fwd_sweep(best_path=None):
+    """Forward (summaries and whole forward) per FWD_CONFIGS entry, one shape at a time; with
+    best_path, writes per padded head dim the setting of least summed forward time over its shapes."""
+    print("| shape | (Dv slices, warps, stages) | summaries | mix | fwd | (ms) |")
+    totals = {}
+    for shape, (heads, dim, layout, causal) in SHAPES.items():
+        bd = dim  # settings are keyed on the head dims (D, Dv)
+        for cfg in [None, *FWD_SWEEP]:
+            MT.FWD_CONFIGS = {} if cfg is None else {(bd, bd): cfg}
+            r = breakdown(heads, dim, layout, causal, backward=False)
+            if cfg is None:
+                ref = r["fwd"]
+            totals.setdefault(bd, {}).setdefault(cfg, 0.0)
+            totals[bd][cfg] += r["fwd"] / ref  # each shape counts as its time relative to the default
+            print(f"| {shape} | {cfg or 'default'} | " + " | ".join(f"{r[key]:.3f}" for key in r) + " |", flush=True)
+    MT.FWD_CONFIGS = {}
+    best = {bd: min(t, key=t.get) for bd, t in totals.items()}
+    print("best per head dim:", best)
+    if best_path:
+        import json
+
+        with open(best_path, "w") as f:
+            json.dump([[bd, bd, *(cfg or (1, None, None))] for bd, cfg in best.items()], f)
+
+
 def main():
+    import sys
+
+    if "--fwd-sweep" in sys.argv:
+        saved = dict(MT.FWD_CONFIGS)
+        fwd_sweep(sys.argv[sys.argv.index("--best") + 1] if "--best" in sys.argv else None)
+        MT.FWD_CONFIGS = saved
+        return
     defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES")}
     print("| shape | setting | summaries | mix | fwd | bwd | (ms) |")
     for shape, args in SHAPES.items():

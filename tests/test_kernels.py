@@ -99,10 +99,14 @@ def _compare(case, dtype, device, tol):
     grad_out = torch.randn(out_shape, device=device)
     want = _run(case, ref_in, "torch", grad_out)
     got = _run(case, tensors, "triton", grad_out.to(dtype))
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dmixing"), got, want):
+    # half inputs: the Triton error may be at most twice the torch path's own error in that dtype
+    # (same inputs, float32 accumulation), against the float32 reference; tol is then only a floor
+    own = _run(case, tensors, "torch", grad_out.to(dtype)) if dtype != torch.float32 else None
+    for i, (name, g, w) in enumerate(zip(("out", "dq", "dk", "dv", "dmixing"), got, want)):
         assert torch.isfinite(g).all(), f"{name}: non-finite (an unwritten element?)"
         err = ((g - w).norm() / w.norm()).item()
-        assert err < tol, f"{name}: relative error {err:.2e} ≥ {tol:.0e}"
+        bound = tol if own is None else max(tol, 2 * ((own[i] - w).norm() / w.norm()).item())
+        assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in {dtype}: {bound / 2:.1e})"
 
 
 @interp
@@ -125,13 +129,21 @@ def test_interpreter_split_blocks_and_reference(monkeypatch):
     _compare(((9, 40), (3, 1), None, False, 2, 2, 16, 16, True, True, "relu"), torch.float32, "cpu", 1e-5)
 
 
+@interp
+def test_interpreter_dv_slices(monkeypatch):
+    """The forward split into Dv column slices (summaries and readout), causal and not."""
+    monkeypatch.setattr(mhla_triton, "FWD_CONFIGS", {(16, 24): (2, 4, None), (16, 32): (2, 4, None)})
+    _compare(CASES["3d-odd-grid-gqa-per-head-elu-unnorm"], torch.float32, "cpu", 1e-5)
+    _compare(CASES["causal-per-head-elu-unnorm"], torch.float32, "cpu", 1e-5)
+
+
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
 def test_interpreter_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreter_ and not subprocess"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    assert done.returncode == 0 and "7 passed" in summary, done.stdout[-3000:]
+    assert done.returncode == 0 and "8 passed" in summary, done.stdout[-3000:]
 
 
 def test_dispatch_falls_back_to_torch():
@@ -149,7 +161,7 @@ def test_dispatch_falls_back_to_torch():
 
 
 # CUDA: real sizes of the target families, every dtype; tolerances for the operand precision
-TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 6e-3}  # dmixing sums cancel: bf16 needs slack
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # half: a floor under 2x the torch path's error
 FAMILY_CASES = {
     "wan-d128": ((6, 10, 12), (3, 3, 4), None, False, 4, 4, 128, 128, False, True, "relu"),
     "dit-d72": ((32, 32), (4, 4), None, False, 4, 4, 72, 72, True, True, "relu"),
@@ -165,6 +177,19 @@ FAMILY_CASES = {
 @pytest.mark.parametrize("name", list(CASES) + list(FAMILY_CASES))
 def test_cuda_matches_torch(name, dtype):
     _compare({**CASES, **FAMILY_CASES}[name], dtype, "cuda", TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["wan-d128", "dit-d72", "causal-blocks", "sana-d32-unnorm"])
+def test_cuda_dv_slices_and_fast_launch(name, dtype, monkeypatch):
+    """The forward's Dv-sliced launches (every head dim) and the cached direct launches (a second
+    call replays the first call's compiled kernels)."""
+    monkeypatch.setattr(mhla_triton, "FWD_CONFIGS", {dims: (2, 4, 3) for dims in ((128, 128), (72, 72), (24, 20), (32, 32))})
+    case = {**CASES, **FAMILY_CASES}[name]
+    _compare(case, dtype, "cuda", TOL[dtype])
+    _compare(case, dtype, "cuda", TOL[dtype])
 
 
 @pytest.mark.gpu

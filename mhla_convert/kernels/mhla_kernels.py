@@ -61,15 +61,17 @@ def _summaries_kernel(
     K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
-    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, DVS: tl.constexpr = 1,
 ):
-    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split)."""
-    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split);
+    with DVS > 1 each program owns one of DVS column slices of S (slice 0 also writes z)."""
+    bh, m, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, sl = pid2 // DVS, pid2 % DVS
     b, h = (bh // HKV).to(tl.int64), bh % HKV
-    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    d, e = tl.arange(0, BD), sl * (BDV // DVS) + tl.arange(0, BDV // DVS)
     dm, em = d < D, e < DV
     kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
-    s_acc = tl.zeros((BD, BDV), tl.float32)
+    s_acc = tl.zeros((BD, BDV // DVS), tl.float32)
     z_acc = tl.zeros((BD,), tl.float32)
     for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
         n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
@@ -79,12 +81,13 @@ def _summaries_kernel(
         z_acc += tl.sum(fk, 0)
     out = S + (bh * M + m).to(tl.int64) * COLS
     smask = dm[:, None] & em[None, :]
+    zmask = dm & (sl == 0)
     if ATOMIC:
         tl.atomic_add(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
-        tl.atomic_add(out + D * DV + d, z_acc, mask=dm)
+        tl.atomic_add(out + D * DV + d, z_acc, mask=zmask)
     else:
         tl.store(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
-        tl.store(out + D * DV + d, z_acc, mask=dm)
+        tl.store(out + D * DV + d, z_acc, mask=zmask)
 
 
 @triton.jit
@@ -133,13 +136,15 @@ def _readout_kernel(
     H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, DVS: tl.constexpr = 1,
 ):
     """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
-    adds the query's own chunk, weighted by m_ii, as a masked tile product."""
-    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    adds the query's own chunk, weighted by m_ii, as a masked tile product. With DVS > 1 each
+    program writes one of DVS column slices of o (the normaliser is recomputed per slice)."""
+    bh, m, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split, sl = pid2 // DVS, pid2 % DVS
     b, h = (bh // H).to(tl.int64), bh % H
-    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    d, e = tl.arange(0, BD), sl * (BDV // DVS) + tl.arange(0, BDV // DVS)
     dm, em = d < D, e < DV
     sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
     st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)

@@ -29,6 +29,13 @@ TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
+# forward launch shapes per head dims (D, Dv): (Dv slices, warps, stages) of the summaries and readout
+# launches; absent = (1, the plan's warps, Triton's default). From `benchmarks/kernel_breakdown.py --fwd-sweep`
+# (docs/benchmarks.md): D = 128 runs 4 warps (Wan 0.411 -> 0.336 ms), D = 72 keeps 8 (4 is slower);
+# Dv slices were slower at every measured shape.
+FWD_CONFIGS: dict = {(128, 128): (1, 4, None)}  # keyed on (D, Dv)
+CACHE_PLANS = True  # keep launch plans per shape (benchmarks switch it off to time the old path)
+FAST_LAUNCH = True  # replay compiled kernels without Triton's per-call argument binding (CUDA only)
 
 
 def interpreting() -> bool:
@@ -58,11 +65,52 @@ def _p2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
+_SMS: dict = {}
+
+
 def _programs_wanted(device) -> int:
     """Enough programs to fill the GPU a few times over (a split threshold, nothing more)."""
     if device.type != "cuda":
         return 1
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _SMS.get(device.index)
+    if sms is None:
+        sms = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * sms
+
+
+_LAUNCHERS: dict = {}
+
+
+def _launch(fn, grid, args, kw, kw_key=None):
+    """fn[grid](*args, **kw). On CUDA with FAST_LAUNCH the compiled kernel is kept per (fn, grid,
+    scalar args, tensor dtypes and 16-byte alignment) and launched directly afterwards, which skips
+    Triton's argument binding and cache-key hashing (most of the host time of a small forward)."""
+    if not FAST_LAUNCH or interpreting():
+        return fn[grid](*args, **kw)
+    key = (fn, grid, kw_key or tuple(kw.items()),
+           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        kernel = fn[grid](*args, **kw)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        if len(_LAUNCHERS) > 4096:
+            _LAUNCHERS.clear()
+        try:  # Triton internals: any surprise just keeps Triton's own launcher for this key
+            binder = fn.device_caches[triton.runtime.driver.active.get_current_device()][4]
+            bound = binder(*args, **kw)[0]
+            tail = [bound[name] for name in list(bound)[len(args):]]  # constexprs and defaults, fixed by the key
+            _LAUNCHERS[key] = (kernel, tail) if kernel is not None and hasattr(kernel, "packed_metadata") else False
+        except Exception:  # noqa: BLE001
+            _LAUNCHERS[key] = False
+        return kernel
+    if hit is False:
+        return fn[grid](*args, **kw)
+    kernel, tail = hit
+    g = grid + (1,) * (3 - len(grid))
+    stream = torch.cuda.current_stream().cuda_stream
+    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+    return kernel
 
 
 def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
@@ -136,14 +184,50 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     )
 
 
+def _fwd_config(p: _Plan) -> tuple[int, int, int | None]:
+    """(Dv slices, warps, stages) of the forward launches for this plan's padded head dims."""
+    dvs, warps, stages = FWD_CONFIGS.get((p.dim, p.dv), (1, None, None))
+    dvs = dvs if p.bdv // dvs >= 16 else 1
+    return dvs, warps or p.warps, stages
+
+
+def _fwd_kw(p: _Plan, dvs: int, warps: int, stages) -> dict:
+    kw = {**p.tile_kw(), "DVS": dvs, "num_warps": warps}
+    if stages is not None:
+        kw["num_stages"] = stages
+    return kw
+
+
+_FWD_STATIC: dict = {}
+
+
+def _fwd_static(p: _Plan, device):
+    """Per plan (and launch settings): grids and keyword arguments of the forward launches."""
+    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES)
+    hit = _FWD_STATIC.get(key) if CACHE_PLANS else None
+    if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
+        dvs, warps, stages = _fwd_config(p)
+        nt = triton.cdiv(p.geometry["T"], p.bt)
+        wanted = _programs_wanted(device)
+        s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m * dvs, wanted)
+        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p, dvs, warps, stages))
+        r_splits, r_per = _split(nt, p.batch * p.heads * p.m * dvs, wanted)
+        r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
+                    **_fwd_kw(p, dvs, warps, stages))
+        hit = dict(plan=p, s_grid=(p.batch * p.kv_heads, p.m, s_splits * dvs), s_kw=s_kw, s_key=tuple(s_kw.items()),
+                   s_zero=s_splits > 1, r_grid=(p.batch * p.heads, p.m, r_splits * dvs), r_kw=r_kw,
+                   r_key=tuple(r_kw.items()))
+        if len(_FWD_STATIC) > 1024:
+            _FWD_STATIC.clear()
+        _FWD_STATIC[key] = hit
+    return hit
+
+
 def _summaries(p: _Plan, k, v):
-    nt = triton.cdiv(p.geometry["T"], p.bt)
-    splits, per = _split(nt, p.batch * p.kv_heads * p.m, _programs_wanted(k.device))
-    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=splits > 1)
-    K._summaries_kernel[(p.batch * p.kv_heads, p.m, splits)](
-        k, v, s, *_strides(k), *_strides(v), p.kv_heads, p.m, p.cols,
-        TILES_PER_PROG=per, ATOMIC=splits > 1, DOT_PREC=p.prec, **p.tile_kw(),
-    )
+    f = _fwd_static(p, k.device)
+    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=f["s_zero"])
+    _launch(K._summaries_kernel, f["s_grid"], (k, v, s, *_strides(k), *_strides(v), p.kv_heads, p.m, p.cols),
+            f["s_kw"], f["s_key"])
     return s
 
 
@@ -157,10 +241,9 @@ def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
         h_out, r, gx, a_si, a_sk, mask = p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
     bm, bn, bk, warps = MIX_TILES
     grid = (p.batch * h_out, triton.cdiv(m, bm), triton.cdiv(cols, bn))
-    K._mix_kernel[grid](
-        mixing, x, out, cols, h_out, gx, p.mix_sh, a_si, a_sk, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps,
-    )
+    _launch(K._mix_kernel, grid,
+            (mixing, x, out, cols, h_out, gx, p.mix_sh, a_si, a_sk, x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
+            dict(M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps))
     return out
 
 
@@ -169,11 +252,9 @@ def _forward(p: _Plan, q, k, v, mixing):
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
     o = _new(p.batch, q.shape[1], p.heads, p.dv, device=q.device, dtype=q.dtype)
-    splits, per = _split(triton.cdiv(p.geometry["T"], p.bt), p.batch * p.heads * p.m, _programs_wanted(q.device))
-    K._readout_kernel[(p.batch * p.heads, p.m, splits)](
-        q, k, v, st, mixing, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o), p.heads,
-        NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=per, **p.heads_kw(), **p.tile_kw(),
-    )
+    f = _fwd_static(p, q.device)
+    _launch(K._readout_kernel, f["r_grid"],
+            (q, k, v, st, mixing, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o), p.heads), f["r_kw"], f["r_key"])
     return s, st, o
 
 
@@ -240,5 +321,14 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     q, k, v = (t.contiguous() for t in (q, k, v))  # dq, dk, dv are written with q's, k's, v's strides
-    plan = _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    key = (q.shape, k.shape, v.shape, mixing.dim(), q.dtype, layout, causal, id(phi), normalize, scale, eps)
+    plan = _PLANS.get(key) if CACHE_PLANS else None
+    if plan is None:
+        plan = _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
     return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
+
+
+_PLANS: dict = {}
