@@ -116,7 +116,7 @@ class LlamaAdapter(FamilyAdapter):
 
     def default_options(self, model: nn.Module) -> dict[str, Any]:
         # chunk 64 as the paper's LM; window 8: distinct weights for the last ~450 tokens, one shared
-        # weight beyond, and a state of 9 chunk summaries (docs/language-models.md).
+        # weight beyond, and a state of 8 chunk summaries (docs/language-models.md).
         return {"chunk_size": 64, "window": 8, "feature_map": "relu", "normalize": True, "mixing_init": "locality"}
 
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
