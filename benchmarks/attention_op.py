@@ -37,15 +37,11 @@ BASELINE = False
 
 
 def _baseline(fn):
-    from mhla_convert.kernels import mhla_triton as MT
+    from _old_launch import old_launch
 
     def run():
-        saved = MT.CACHE_PLANS, MT.FAST_LAUNCH, MT.FWD_CONFIGS
-        MT.CACHE_PLANS, MT.FAST_LAUNCH, MT.FWD_CONFIGS = False, False, {}
-        try:
+        with old_launch():
             return fn()
-        finally:
-            MT.CACHE_PLANS, MT.FAST_LAUNCH, MT.FWD_CONFIGS = saved
 
     return run
 

@@ -4,7 +4,7 @@ per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed
 
     python benchmarks/kernel_breakdown.py [--fwd-sweep [--best FILE.json]]
 
---fwd-sweep times the forward per (Dv slices, warps, stages) setting of the summaries and readout
+--fwd-sweep times the forward per (warps, stages) setting of the summaries and readout
 launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim).
 """
 
@@ -50,14 +50,14 @@ def breakdown(heads, dim, layout, causal, backward=True):
     )
 
 
-# forward launch shapes tried per shape (Dv slices, warps, stages), against FWD_CONFIGS = {} (1, plan warps, default)
-FWD_SWEEP = [(1, 4, None), (1, 8, 3), (2, 4, None), (2, 4, 3), (2, 4, 4), (2, 8, 3), (4, 4, 3), (1, 4, 4)]
+# forward launch shapes tried per shape (warps, stages), against FWD_CONFIGS = {} (plan warps, default stages)
+FWD_SWEEP = [(4, None), (8, 3), (4, 4), (4, 3), (8, 4)]
 
 
 def fwd_sweep(best_path=None):
     """Forward (summaries and whole forward) per FWD_CONFIGS entry, one shape at a time; with
     best_path, writes per padded head dim the setting of least summed forward time over its shapes."""
-    print("| shape | (Dv slices, warps, stages) | summaries | mix | fwd | (ms) |")
+    print("| shape | (warps, stages) | summaries | mix | fwd | (ms) |")
     totals = {}
     for shape, (heads, dim, layout, causal) in SHAPES.items():
         bd = dim  # settings are keyed on the head dims (D, Dv)
@@ -76,7 +76,7 @@ def fwd_sweep(best_path=None):
         import json
 
         with open(best_path, "w") as f:
-            json.dump([[bd, bd, *(cfg or (1, None, None))] for bd, cfg in best.items()], f)
+            json.dump([[bd, bd, *(cfg or (None, None))] for bd, cfg in best.items()], f)
 
 
 def main():

@@ -158,11 +158,12 @@ def main():
     ap.add_argument("--old-launch", action="store_true", help="the previous launch path: no plan cache, Triton's launcher")
     args = ap.parse_args()
     import _fwd_configs
-    from mhla_convert.kernels import mhla_triton as MT
 
     _fwd_configs.load(args.fwd_configs)
     if args.old_launch:
-        MT.CACHE_PLANS, MT.FAST_LAUNCH, MT.FWD_CONFIGS = False, False, {}
+        import _old_launch
+
+        _old_launch.enable()
         print("--old-launch: FWD_CONFIGS = {}, no plan/launch caches", flush=True)
     title, rows = (bench_wan if args.model == "wan" else bench_sana)(args.backend)
     print(f"\n{date.today()} {torch.cuda.get_device_name()} bf16 batch 1 — {title}")

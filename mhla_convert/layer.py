@@ -170,7 +170,7 @@ class MHLAttention(nn.Module):
             return out, init_state(k, v, chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
         outs = []
         for t in range(q.shape[1]):
-            o, state = mhla_recurrent_step(state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, **self._op_options())
+            o, state = mhla_recurrent_step(state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, backend=cfg.backend, **self._op_options())
             outs.append(o)
         return torch.cat(outs, dim=1), state
 

@@ -61,17 +61,15 @@ def _summaries_kernel(
     K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
-    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, DVS: tl.constexpr = 1,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
 ):
-    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split);
-    with DVS > 1 each program owns one of DVS column slices of S (slice 0 also writes z)."""
-    bh, m, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    split, sl = pid2 // DVS, pid2 % DVS
+    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split)."""
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV
-    d, e = tl.arange(0, BD), sl * (BDV // DVS) + tl.arange(0, BDV // DVS)
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
-    s_acc = tl.zeros((BD, BDV // DVS), tl.float32)
+    s_acc = tl.zeros((BD, BDV), tl.float32)
     z_acc = tl.zeros((BD,), tl.float32)
     for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
         n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
@@ -81,13 +79,12 @@ def _summaries_kernel(
         z_acc += tl.sum(fk, 0)
     out = S + (bh * M + m).to(tl.int64) * COLS
     smask = dm[:, None] & em[None, :]
-    zmask = dm & (sl == 0)
     if ATOMIC:
         tl.atomic_add(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
-        tl.atomic_add(out + D * DV + d, z_acc, mask=zmask)
+        tl.atomic_add(out + D * DV + d, z_acc, mask=dm)
     else:
         tl.store(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
-        tl.store(out + D * DV + d, z_acc, mask=zmask)
+        tl.store(out + D * DV + d, z_acc, mask=dm)
 
 
 @triton.jit
@@ -136,15 +133,13 @@ def _readout_kernel(
     H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, DVS: tl.constexpr = 1,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
 ):
     """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
-    adds the query's own chunk, weighted by m_ii, as a masked tile product. With DVS > 1 each
-    program writes one of DVS column slices of o (the normaliser is recomputed per slice)."""
-    bh, m, pid2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    split, sl = pid2 // DVS, pid2 % DVS
+    adds the query's own chunk, weighted by m_ii, as a masked tile product."""
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
-    d, e = tl.arange(0, BD), sl * (BDV // DVS) + tl.arange(0, BDV // DVS)
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
     st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
@@ -345,3 +340,66 @@ def _dmix_kernel(
     if STRICT:
         acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
     tl.store(PART + pid.to(tl.int64) * M * M + i[:, None] * M + jj[None, :], acc, mask=(i < M)[:, None] & (jj < M)[None, :])
+
+
+@triton.jit
+def _step_term(acc, den, fq, w, S, Z, sd, dm, em, d, e, NORMALIZE: tl.constexpr):
+    """One summary's share of a recurrent step's readout: acc += w·(φ(q) S), den += w·(φ(q)·z)."""
+    s = tl.load(S + d[:, None] * sd + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    acc += w[:, None] * tl.sum(fq[:, :, None] * s[None, :, :], 1)
+    if NORMALIZE:
+        z = tl.load(Z + d, mask=dm, other=0.0)
+        den += w * tl.sum(fq * z[None, :], 1)
+    return acc, den
+
+
+@triton.jit
+def _recurrent_step_kernel(
+    Q, K, V, R, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, O, NEW_S, NEW_Z,
+    sqb, sqh, skb, skh, svb, svh,
+    cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h,
+    HKV, G, R_SH, W, scale, eps, D, DV,
+    NREC: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PHI: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    """One decoding token of causal MHLA with a relative mixing r (see `ops.recurrent`), for key head
+    hk, query heads g-block pg and value columns e-block pe:
+        S_cur' = S_cur + φ(k) vᵀ, z_cur' = z_cur + φ(k)        (written to NEW_S / NEW_Z)
+        o_h = Σ_j r_h[δ_j] φ(q_h)·S_j / (Σ_j r_h[δ_j] φ(q_h)·z_j + eps)
+    over the open chunk (δ = 0), the NREC closed ones (δ = NREC … 1, oldest first) and the far sum
+    (δ = W − 1). Summaries are float32; the g-block 0 programs write the new open chunk."""
+    bh, pg, pe = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hk = (bh // HKV).to(tl.int64), bh % HKV
+    g = pg * BG + tl.arange(0, BG)
+    gm = g < G
+    h = hk * G + g
+    d, e = tl.arange(0, BD), pe * BE + tl.arange(0, BE)
+    dm, em = d < D, e < DV
+    smask = dm[:, None] & em[None, :]
+    fk = tl.where(dm, _phi(tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0).to(tl.float32), PHI), 0.0)
+    vv = tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0).to(tl.float32)
+    s = tl.load(CUR_S + b * cs_b + hk * cs_h + d[:, None] * cs_d + e[None, :], mask=smask, other=0.0)
+    s += fk[:, None] * vv[None, :]
+    z = tl.load(CUR_Z + b * cz_b + hk * cz_h + d, mask=dm, other=0.0) + fk
+    new = (b * HKV + hk) * D
+    tl.store(NEW_S + (new + d[:, None]) * DV + e[None, :], s, mask=smask & (pg == 0))
+    tl.store(NEW_Z + new + d, z, mask=dm & (pg == 0) & (pe == 0))
+
+    qmask = gm[:, None] & dm[None, :]
+    qx = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=qmask, other=0.0).to(tl.float32)
+    fq = tl.where(qmask, _phi(qx, PHI), 0.0) * scale  # (BG, BD)
+    rp = R + h * R_SH
+    w = tl.load(rp, mask=gm, other=0.0).to(tl.float32)
+    acc = w[:, None] * tl.sum(fq[:, :, None] * s[None, :, :], 1)  # (BG, BE)
+    den = w * tl.sum(fq * z[None, :], 1)
+    w = tl.load(rp + W - 1, mask=gm, other=0.0).to(tl.float32)
+    acc, den = _step_term(acc, den, fq, w, FAR_S + b * fs_b + hk * fs_h, FAR_Z + b * fz_b + hk * fz_h, fs_d,
+                          dm, em, d, e, NORMALIZE)
+    for i in tl.static_range(NREC):
+        w = tl.load(rp + (NREC - i), mask=gm, other=0.0).to(tl.float32)
+        acc, den = _step_term(acc, den, fq, w, REC_S + b * rs_b + hk * rs_h + i * rs_k,
+                              REC_Z + b * rz_b + hk * rz_h + i * rz_k, rs_d, dm, em, d, e, NORMALIZE)
+    if NORMALIZE:
+        acc = acc / (den + eps)[:, None]
+    out = O + ((b * HKV + hk) * G + g[:, None]) * DV + e[None, :]
+    tl.store(out, acc.to(O.dtype.element_ty), mask=gm[:, None] & em[None, :])

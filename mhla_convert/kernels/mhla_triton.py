@@ -29,13 +29,10 @@ TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
-# forward launch shapes per head dims (D, Dv): (Dv slices, warps, stages) of the summaries and readout
-# launches; absent = (1, the plan's warps, Triton's default). From `benchmarks/kernel_breakdown.py --fwd-sweep`
-# (docs/benchmarks.md): D = 128 runs 4 warps (Wan 0.411 -> 0.336 ms), D = 72 keeps 8 (4 is slower);
-# Dv slices were slower at every measured shape.
-FWD_CONFIGS: dict = {(128, 128): (1, 4, None)}  # keyed on (D, Dv)
-CACHE_PLANS = True  # keep launch plans per shape (benchmarks switch it off to time the old path)
-FAST_LAUNCH = True  # replay compiled kernels without Triton's per-call argument binding (CUDA only)
+# forward launch shapes per head dims (D, Dv): (warps, stages) of the summaries and readout launches;
+# absent = (the plan's warps, Triton's default). From `benchmarks/kernel_breakdown.py --fwd-sweep`
+# (docs/benchmarks.md): D = 128 runs 4 warps (Wan 0.411 -> 0.336 ms), D = 72 keeps 8 (4 is slower).
+FWD_CONFIGS: dict = {(128, 128): (4, None)}  # keyed on (D, Dv)
 
 
 def interpreting() -> bool:
@@ -82,10 +79,10 @@ _LAUNCHERS: dict = {}
 
 
 def _launch(fn, grid, args, kw, kw_key=None):
-    """fn[grid](*args, **kw). On CUDA with FAST_LAUNCH the compiled kernel is kept per (fn, grid,
-    scalar args, tensor dtypes and 16-byte alignment) and launched directly afterwards, which skips
-    Triton's argument binding and cache-key hashing (most of the host time of a small forward)."""
-    if not FAST_LAUNCH or interpreting():
+    """fn[grid](*args, **kw). On CUDA the compiled kernel is kept per (fn, grid, scalar args, tensor
+    dtypes and 16-byte alignment) and launched directly afterwards, which skips Triton's argument
+    binding and cache-key hashing (most of the host time of a small forward)."""
+    if interpreting():
         return fn[grid](*args, **kw)
     key = (fn, grid, kw_key or tuple(kw.items()),
            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
@@ -184,15 +181,10 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     )
 
 
-def _fwd_config(p: _Plan) -> tuple[int, int, int | None]:
-    """(Dv slices, warps, stages) of the forward launches for this plan's padded head dims."""
-    dvs, warps, stages = FWD_CONFIGS.get((p.dim, p.dv), (1, None, None))
-    dvs = dvs if p.bdv // dvs >= 16 else 1
-    return dvs, warps or p.warps, stages
-
-
-def _fwd_kw(p: _Plan, dvs: int, warps: int, stages) -> dict:
-    kw = {**p.tile_kw(), "DVS": dvs, "num_warps": warps}
+def _fwd_kw(p: _Plan) -> dict:
+    """Keyword arguments of the summaries and readout launches (warps and stages per head dims)."""
+    warps, stages = FWD_CONFIGS.get((p.dim, p.dv), (None, None))
+    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
     if stages is not None:
         kw["num_stages"] = stages
     return kw
@@ -204,18 +196,17 @@ _FWD_STATIC: dict = {}
 def _fwd_static(p: _Plan, device):
     """Per plan (and launch settings): grids and keyword arguments of the forward launches."""
     key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES)
-    hit = _FWD_STATIC.get(key) if CACHE_PLANS else None
+    hit = _FWD_STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
-        dvs, warps, stages = _fwd_config(p)
         nt = triton.cdiv(p.geometry["T"], p.bt)
         wanted = _programs_wanted(device)
-        s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m * dvs, wanted)
-        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p, dvs, warps, stages))
-        r_splits, r_per = _split(nt, p.batch * p.heads * p.m * dvs, wanted)
+        s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
+        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p))
+        r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
         r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
-                    **_fwd_kw(p, dvs, warps, stages))
-        hit = dict(plan=p, s_grid=(p.batch * p.kv_heads, p.m, s_splits * dvs), s_kw=s_kw, s_key=tuple(s_kw.items()),
-                   s_zero=s_splits > 1, r_grid=(p.batch * p.heads, p.m, r_splits * dvs), r_kw=r_kw,
+                    **_fwd_kw(p))
+        hit = dict(plan=p, s_grid=(p.batch * p.kv_heads, p.m, s_splits), s_kw=s_kw, s_key=tuple(s_kw.items()),
+                   s_zero=s_splits > 1, r_grid=(p.batch * p.heads, p.m, r_splits), r_kw=r_kw,
                    r_key=tuple(r_kw.items()))
         if len(_FWD_STATIC) > 1024:
             _FWD_STATIC.clear()
@@ -322,7 +313,7 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     q, k, v = (t.contiguous() for t in (q, k, v))  # dq, dk, dv are written with q's, k's, v's strides
     key = (q.shape, k.shape, v.shape, mixing.dim(), q.dtype, layout, causal, id(phi), normalize, scale, eps)
-    plan = _PLANS.get(key) if CACHE_PLANS else None
+    plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
         if len(_PLANS) > 1024:

@@ -79,19 +79,32 @@ def _grouped(relative: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor
 def mhla_recurrent_step(
     state: MHLAState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, relative: torch.Tensor, *,
     feature_map: FeatureMap = "relu", normalize: bool = True, scale: float | None = None, eps: float = 1e-6,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, MHLAState]:
     """One token: q (B, 1, H, D), k (B, 1, H_kv, D), v (B, 1, H_kv, Dv), relative (W,) or (H, W)
-    → output (B, 1, H, Dv) and the new state (the old one is left untouched)."""
+    → output (B, 1, H, Dv) and the new state (the old one is left untouched).
+
+    backend: "torch", "triton" (one fused kernel per token: `kernels.recurrent_triton`) or "auto"
+    (Triton on CUDA when it takes the inputs, else torch). Closing a chunk is torch either way."""
     if q.shape[1] != 1 or k.shape[1] != 1 or v.shape[1] != 1:
         raise ValueError(f"a recurrent step takes one token: q, k, v must be (B, 1, H, D); got {tuple(q.shape)}")
     if relative.shape[-1] != state.window or relative.dim() not in (1, 2):
         raise ValueError(f"relative mixing must be (W,) or (H, W) with W = {state.window}; got {tuple(relative.shape)}")
+    from .dispatch import select_step_backend
+
     phi = resolve_feature_map(feature_map)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    impl = select_step_backend(backend, state, q, k, v, relative, phi=phi)
+    out, cur_s, cur_z = impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    return out, _advance(state, cur_s, cur_z)
+
+
+def step_torch(state: MHLAState, q, k, v, relative, *, phi, normalize: bool, scale: float, eps: float):
+    """The torch step: (output (B, 1, H, Dv) in q's dtype, new open-chunk summary and z), new tensors."""
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     acc = state.cur_s.dtype
-    scale = dim**-0.5 if scale is None else scale
 
     fk, fv = phi(k[:, 0].to(acc)), v[:, 0].to(acc)  # (B, H_kv, D), (B, H_kv, Dv)
     cur_s = state.cur_s + fk.unsqueeze(-1) * fv.unsqueeze(-2)
@@ -111,7 +124,11 @@ def mhla_recurrent_step(
     if normalize:
         den = (fq @ mixed(state.recent_z, state.far_z, cur_z).unsqueeze(-1)).squeeze(-2)
         out = out / (den + eps)
+    return out.reshape(batch, 1, heads, -1).to(q.dtype), cur_s, cur_z
 
+
+def _advance(state: MHLAState, cur_s: torch.Tensor, cur_z: torch.Tensor) -> MHLAState:
+    """The state after one token whose open chunk is now (cur_s, cur_z): closes the chunk when complete."""
     position = state.position + 1
     recent_s, recent_z, far_s, far_z = state.recent_s, state.recent_z, state.far_s, state.far_z
     if position % state.chunk_size == 0:  # the chunk is complete: close it
@@ -120,5 +137,4 @@ def mhla_recurrent_step(
             far_s, far_z = far_s + recent_s[:, :, 0], far_z + recent_z[:, :, 0]
             recent_s, recent_z = recent_s[:, :, 1:], recent_z[:, :, 1:]
         cur_s, cur_z = torch.zeros_like(cur_s), torch.zeros_like(cur_z)
-    new = MHLAState(state.chunk_size, state.window, position, cur_s, cur_z, recent_s, recent_z, far_s, far_z)
-    return out.reshape(batch, 1, heads, -1).to(q.dtype), new
+    return MHLAState(state.chunk_size, state.window, position, cur_s, cur_z, recent_s, recent_z, far_s, far_z)
