@@ -41,7 +41,9 @@ class WanAdapter(DiffusersAdapter):
             patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=32, num_layers=6, rope_max_seq_len=32,
         )
-        return {"tiny-wan": t2v, "tiny-wan-i2v": {**t2v, "image_dim": 16, "added_kv_proj_dim": 24}}
+        # I2V input = noisy latents (4) + first-frame mask (4, the VAE's temporal factor) + image-condition latents (4)
+        i2v = {**t2v, "in_channels": 12, "image_dim": 16, "added_kv_proj_dim": 24}
+        return {"tiny-wan": t2v, "tiny-wan-i2v": i2v}
 
     def tiny_config(self) -> dict[str, Any]:
         return self.tiny_configs()["tiny-wan"]

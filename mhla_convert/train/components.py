@@ -76,7 +76,8 @@ def tiny_components(family: str, transformer: nn.Module) -> dict:
     cfg = transformer.config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        parts = {"vae": _tiny_vae(family, cfg.in_channels).eval(), "scheduler": _scheduler(family)}
+        latent = cfg.out_channels if family == "wan" else cfg.in_channels  # Wan I2V takes 2·z + 4 channels
+        parts = {"vae": _tiny_vae(family, latent).eval(), "scheduler": _scheduler(family)}
         if family != "dit":
             width = cfg.text_dim if family == "wan" else cfg.caption_channels
             parts.update(text_encoder=_tiny_text_encoder(family, width).eval(), tokenizer=char_tokenizer())

@@ -76,7 +76,8 @@ def synthetic(family: str, model, spec: DataSpec, seed: int) -> TensorData:
         step = torch.randint(1, 4, (n, 1), generator=g)
         return TensorData({"input_ids": (start + step * torch.arange(length)) % vocab})
     video = family == "wan"
-    shape = (cfg.in_channels, *_latent_shape(model, spec, video))
+    channels = cfg.out_channels if video else cfg.in_channels  # Wan I2V takes more channels than it predicts
+    shape = (channels, *_latent_shape(model, spec, video))
     num_conditions = 8
     cond = torch.randint(0, num_conditions, (n,), generator=g)
     low = torch.randn(num_conditions, shape[0], *(max(1, s // 4) for s in shape[1:]), generator=g)
@@ -90,11 +91,46 @@ def synthetic(family: str, model, spec: DataSpec, seed: int) -> TensorData:
     else:
         dim = cfg.text_dim if family == "wan" else cfg.caption_channels
         tokens = 8
+        if video and is_i2v(model):
+            columns.update(i2v_condition(latents, cfg.in_channels - 2 * channels))
+            tokens = WAN_TEXT_TOKENS  # the I2V attention splits image from text tokens by this count
+            columns["image_embeds"] = torch.randn(num_conditions, IMAGE_TOKENS, cfg.image_dim, generator=g)[cond]
         table = torch.randn(num_conditions, tokens, dim, generator=g)
         columns["prompt_embeds"] = table[cond]
         if family != "wan":
             columns["prompt_attention_mask"] = torch.ones(n, tokens, dtype=torch.long)
     return TensorData(columns)
+
+
+# --- Wan image-to-video ------------------------------------------------------------------------------
+
+WAN_TEXT_TOKENS = 512  # WanAttnProcessor: image tokens = all context tokens − 512
+IMAGE_TOKENS = 4  # synthetic CLIP image embeddings per example (CLIP ViT-H/14 at 224 px gives 257)
+
+
+def is_i2v(model) -> bool:
+    """A Wan transformer that also takes image-condition channels (in_channels = 2·z + mask)."""
+    cfg = model.config
+    return cfg.in_channels > cfg.out_channels
+
+
+def first_frame_mask(mask_channels: int, frames: int, height: int, width: int) -> torch.Tensor:
+    """WanImageToVideoPipeline's mask in latent space: the first latent frame is the given image."""
+    mask = torch.zeros(mask_channels, frames, height, width)
+    mask[:, 0] = 1
+    return mask
+
+
+def i2v_condition(latents: torch.Tensor, mask_channels: int, first: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The I2V condition for (N, z, F, H, W) video latents: mask ⊕ latents of (first frame, zeros…).
+    Wan's VAE is causal, so the first latent frame encodes the first pixel frame alone; without the
+    encoded condition (`first`), synthetic data uses the video's own first latent frame."""
+    n, _, f, h, w = latents.shape
+    cond = torch.zeros_like(latents) if first is None else first
+    if first is None:
+        cond[:, :, 0] = latents[:, :, 0]
+    mask = first_frame_mask(mask_channels, f, h, w).expand(n, -1, -1, -1, -1)
+    return {"condition": torch.cat([mask.to(latents), cond], dim=1)}
 
 
 # --- batches ---------------------------------------------------------------------------------------

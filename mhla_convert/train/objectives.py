@@ -43,7 +43,15 @@ def _sana(model, x, t, batch):
 
 
 def _wan(model, x, t, batch):
-    return model(x, timestep=t, encoder_hidden_states=batch["prompt_embeds"]).sample
+    """T2V: the noisy latents. I2V (as WanImageToVideoPipeline): the noisy latents ⊕ the condition
+    (4 first-frame mask channels ⊕ the VAE latents of the first frame padded with zero frames), and
+    the CLIP image embeddings when the model has an image projection."""
+    extra = {}
+    if "condition" in batch:
+        x = torch.cat([x, batch["condition"]], dim=1)
+    if "image_embeds" in batch:
+        extra["encoder_hidden_states_image"] = batch["image_embeds"]
+    return model(x, timestep=t, encoder_hidden_states=batch["prompt_embeds"], **extra).sample
 
 
 def _sample_indices(spec: ObjectiveSpec, n: int, generator: torch.Generator) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,12 +66,29 @@ def _refuse_unsupported_fsdp(acc, recipe: Recipe) -> None:
     """What FSDP cannot do here, said before any model loads."""
     if acc.distributed_type != DistributedType.FSDP:
         return
-    if len(recipe.stages) > 1:
-        raise TrainError("under FSDP run one stage per invocation (a sharded model cannot be re-wrapped between stages): "
-                         "first --set 'stages=[<attention_transfer stage>]', then fine-tune with model.checkpoint: <that run>/model")
-    if acc.state.fsdp_plugin.fsdp_version == 1 and recipe.stages[0].name == "attention_transfer":
+    if acc.state.fsdp_plugin.fsdp_version == 1 and any(s.name == "attention_transfer" for s in recipe.stages):
         raise TrainError("attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
                          "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage")
+
+
+def _full_state_into(wrapped, fresh) -> None:
+    """Copy a sharded (FSDP) model's weights into an unwrapped model of the same structure, on every
+    rank, one tensor at a time (collective: every rank calls it). FSDP2 parameters are DTensors whose
+    `full_tensor()` all-gathers; FSDP1 gathers under its FULL_STATE_DICT context."""
+    from torch.distributed.tensor import DTensor
+
+    target = fresh.state_dict()
+    if any(isinstance(v, DTensor) for v in wrapped.state_dict().values()):  # FSDP2
+        for name, value in wrapped.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            target[name].copy_(full.detach())
+        return
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+        state = wrapped.state_dict()
+    fresh.load_state_dict(state)
 
 
 class Trainer:
@@ -104,7 +122,7 @@ class Trainer:
         base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
         with acc.main_process_first():  # one process encodes, the others read its cache
             self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed, components=recipe.data.components or base)
-        self.model = model
+        self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
         start = self.resume_from.step if self.resume_from else 0
         if acc.is_main_process:
@@ -124,8 +142,11 @@ class Trainer:
         """Returns the global step reached."""
         from transformers import get_scheduler
 
-        acc, recipe, built = self.accelerator, self.recipe, self.built
+        acc, recipe = self.accelerator, self.recipe
         end = begin + stage.steps
+        if self.sharded:
+            self._unshard()
+        built = self.built
         model = acc.unwrap_model(self.model)
         acc.free_memory()
         if stage.train == "lora" and not has_lora(model):
@@ -137,6 +158,7 @@ class Trainer:
         name = "constant_with_warmup" if recipe.schedule.name == "constant" and warmup else recipe.schedule.name
         scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=stage.steps)
         self.model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        self.sharded = acc.distributed_type == DistributedType.FSDP
         params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded parameters
         step = begin
         if self.resume_from and begin < self.resume_from.step <= end:
@@ -152,6 +174,21 @@ class Trainer:
         finally:
             if transfer:
                 transfer.detach()
+
+    def _unshard(self) -> None:
+        """Between stages under FSDP: a sharded model cannot be re-wrapped for another trainable
+        set (FSDP fixes which parameters need gradients when it first gathers them, and LoRA would
+        add modules to a sharded tree), so gather the trained weights into a fresh build of the same
+        model on every rank; the next stage prepares that afresh with its own optimizer. The
+        teachers are kept (they were never wrapped)."""
+        acc = self.accelerator
+        fresh = build_model(self.recipe, teachers=False).model
+        if self.recipe.gradient_checkpointing:
+            _enable_checkpointing(fresh)
+        _full_state_into(self.model, fresh)  # collective
+        acc.free_memory()
+        self.built = replace(self.built, model=fresh)
+        self.model, self.sharded = fresh, False
 
     def _steps(self, index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after) -> int:
         acc, recipe = self.accelerator, self.recipe
