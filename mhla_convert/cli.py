@@ -146,7 +146,7 @@ def push_command(
 
 @app.command("demo")
 def demo_command() -> None:
-    """Convert tiny-wan at ratio 0.67, save, reload and check the outputs match (no downloads)."""
+    """The main job on a tiny built-in Wan, offline: convert, check, save, reload, attention transfer, fine-tune, sample."""
     from .demo import run_demo
 
     try:
