@@ -8,8 +8,13 @@ from pathlib import Path
 import imageio.v2 as imageio
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 
+import mhla_convert
 from mhla_convert.train import TrainError, encode, parse_recipe
+from mhla_convert.train.components import pipeline
+from mhla_convert.train.data import load_shards
 from mhla_convert.train.trainer import train
 
 QUIET = dict(log=lambda *_: None)
@@ -78,3 +83,39 @@ def test_empty_or_broken_folders_are_refused(tmp_path):
     (root / "metadata.jsonl").write_text(json.dumps({"file_name": "missing.png", "label": 1}) + "\n")
     with pytest.raises(TrainError, match="needs a file_name of an existing file"):
         train(_recipe("dit", f"{{kind: folder, path: {root}}}"), tmp_path / "run", **QUIET)
+
+
+def test_i2v_video_folder_is_encoded_once_and_reused(tmp_path, monkeypatch):
+    """Wan I2V: latents, 512-token text, the first-frame condition and CLIP image embeddings, cached."""
+    root = _folder(tmp_path / "data", video=True, n=3)
+    recipe = _recipe("wan-i2v", f"{{kind: folder, path: {root}, height: 64, width: 64, num_frames: 5, batch_size: 2}}", "1x2x2")
+    train(recipe, tmp_path / "run1", **QUIET)
+    (cache,) = [m.parent for m in (root / ".mhla_cache").glob("*/meta.json")]
+    columns = load_shards(cache)
+    assert columns["latents"].shape == (3, 4, 2, 8, 8) and columns["condition"].shape == (3, 8, 2, 8, 8)
+    assert columns["prompt_embeds"].shape[1] == 512 and columns["image_embeds"].shape == (3, 17, 16)
+    mask = columns["condition"][:, :4]
+    assert (mask[:, :, 0] == 1).all() and (mask[:, :, 1:] == 0).all()
+    monkeypatch.setattr(encode, "encode_folder", lambda *a: (_ for _ in ()).throw(AssertionError("encoded again")))
+    assert (train(recipe, tmp_path / "run2", **QUIET) / "mhla_config.json").exists()
+
+
+def test_i2v_condition_matches_the_pipeline():
+    """The cached condition is what WanImageToVideoPipeline.prepare_latents builds from the first
+    frame (mask layout, zero-frame padding, the VAE's latents_mean/std), and the image embeddings are
+    its encode_image of that frame."""
+    model = mhla_convert.tiny_model("tiny-wan-i2v")
+    pipe = pipeline("wan", model, "tiny-wan-i2v")
+    pipe.vae.register_to_config(latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[0.5, 2.0, 1.0, 1.5])
+    frames = torch.randint(0, 256, (2, 3, 5, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    pixels = frames.float() / 127.5 - 1  # as encode._read gives them
+    latents = torch.randn(2, 4, 2, 4, 4)
+    with torch.no_grad():
+        ours = encode.image_condition(pipe, pixels, latents)
+        # prepare_latents takes one image (repeated over its batch): compare example by example
+        for i in range(2):
+            _, reference = pipe.prepare_latents(pixels[i : i + 1, :, 0], 1, 4, 32, 32, 5, torch.float32, "cpu")
+            torch.testing.assert_close(ours["condition"][i : i + 1], reference, atol=1e-5, rtol=1e-5)
+        embeds = pipe.encode_image([Image.fromarray(f.permute(1, 2, 0).numpy()) for f in frames[:, :, 0]], "cpu")
+    assert ours["condition"][:, 4:].abs().sum() > 0
+    torch.testing.assert_close(ours["image_embeds"], embeds)

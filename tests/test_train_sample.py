@@ -2,6 +2,7 @@
 the whole demo pipeline (convert → transfer → fine-tune → save → reload → sample)."""
 
 import imageio.v2 as imageio
+import numpy as np
 import pytest
 import typer
 from PIL import Image
@@ -21,11 +22,16 @@ def _cli():
     return app
 
 
+def _checkpoint(name: str, path, blocks: str | None = "1x2x2"):
+    model = mhla_convert.tiny_model(name)
+    mhla_convert.convert(model, blocks=blocks)
+    mhla_convert.save_pretrained(model, path)
+    return path
+
+
 @pytest.mark.parametrize("family, suffix", [("dit", ".png"), ("sana", ".png"), ("pixart", ".png"), ("wan", ".mp4"), ("llama", ".txt")])
 def test_sample_each_family(family, suffix, tmp_path):
-    model = mhla_convert.tiny_model(f"tiny-{family}")
-    mhla_convert.convert(model, blocks=BLOCKS.get(family))
-    mhla_convert.save_pretrained(model, tmp_path / "ckpt")
+    _checkpoint(f"tiny-{family}", tmp_path / "ckpt", BLOCKS.get(family))
     out = tmp_path / f"sample{suffix}"
     result = CliRunner().invoke(_cli(), ["sample", str(tmp_path / "ckpt"), "--prompt", "a red cube", "--out", str(out), "--steps", "2", "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
@@ -35,6 +41,26 @@ def test_sample_each_family(family, suffix, tmp_path):
         assert imageio.get_reader(out).count_frames() == 5
     else:
         assert out.read_text().startswith("a red cube")
+
+
+def test_sample_i2v_from_a_first_frame(tmp_path):
+    ckpt = _checkpoint("tiny-wan-i2v", tmp_path / "ckpt")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(tmp_path / "first.png")
+    out = tmp_path / "clip.mp4"
+    args = ["sample", str(ckpt), "--prompt", "a red cube", "--image", str(tmp_path / "first.png"), "--out", str(out), "--steps", "2"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    assert imageio.get_reader(out).count_frames() == 5
+
+
+@pytest.mark.parametrize("name, image, message", [("tiny-wan-i2v", False, "pass the first frame with --image"),
+                                                  ("tiny-wan", True, "--image is for Wan image-to-video checkpoints")])
+def test_sample_refuses_a_wrong_image_option_in_one_line(name, image, message, tmp_path):
+    ckpt = _checkpoint(name, tmp_path / "ckpt")
+    Image.new("RGB", (64, 64)).save(tmp_path / "first.png")
+    extra = ["--image", str(tmp_path / "first.png")] if image else []
+    result = CliRunner().invoke(_cli(), ["sample", str(ckpt), "--out", str(tmp_path / "x.mp4"), *extra])
+    assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1
 
 
 def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path):

@@ -40,6 +40,7 @@ def finetune(
 def sample(
     checkpoint: Path = typer.Argument(..., help="A model saved by finetune (DIR/model) or mhla_convert.save_pretrained."),
     prompt: str = typer.Option("a photo of a cat", "--prompt", help="Text prompt (SANA, PixArt, Wan) or LM prompt."),
+    image: Optional[Path] = typer.Option(None, "--image", help="Wan image-to-video: the first frame (required for I2V checkpoints)."),
     out: Path = typer.Option(..., "--out", help="Output file: .png for images, .mp4 for Wan, .txt for LMs."),
     class_label: int = typer.Option(0, "--class-label", help="DiT: the ImageNet class to draw."),
     steps: int = typer.Option(20, "--steps", help="Denoising steps."),
@@ -57,7 +58,7 @@ def sample(
         from .sampling import sample as _sample
 
         path = _sample(checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
-                       width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device)
+                       width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image)
         typer.echo(f"wrote {path}")
 
     _one_line(run)

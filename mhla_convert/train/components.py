@@ -1,11 +1,12 @@
 """The rest of a family's pipeline around a (converted) transformer: VAE, text encoder,
-tokenizer, scheduler. From the base model's hub id / directory for real models; for the built-in
-tiny models, tiny random components built in-process (no downloads), seeded so that encoding and
-sampling see the same ones."""
+tokenizer, scheduler (and for Wan image-to-video the CLIP image encoder and processor). From the
+base model's hub id / directory for real models; for the built-in tiny models, tiny random
+components built in-process (no downloads), seeded so that encoding and sampling see the same ones."""
 
 from __future__ import annotations
 
 import string
+import types
 
 import torch
 from torch import nn
@@ -18,6 +19,17 @@ MAX_TEXT = {"sana": 300, "pixart": 120, "wan": 512}
 
 def is_tiny(base: str | None) -> bool:
     return bool(base) and base.startswith("tiny-")
+
+
+def is_i2v(model) -> bool:
+    """A Wan transformer that also takes image-condition channels (in_channels = 2·z + mask)."""
+    cfg = model.config
+    return cfg.in_channels > cfg.out_channels
+
+
+def pipeline_name(family: str, transformer: nn.Module) -> str:
+    """The diffusers pipeline that feeds `transformer` as it was trained (I2V Wan: the image one)."""
+    return "WanImageToVideoPipeline" if family == "wan" and is_i2v(transformer) else PIPELINES[family]
 
 
 def char_tokenizer():
@@ -63,6 +75,20 @@ def _tiny_vae(family: str, latent_channels: int) -> nn.Module:
                          norm_num_groups=4, layers_per_block=1)
 
 
+def _tiny_image_encoder(width: int) -> dict:
+    """A 2-layer CLIP vision tower at 32 px (WanImageToVideoPipeline takes its second-to-last hidden
+    states, 17 tokens here) and the processor that resizes images for it."""
+    import transformers
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    # the PIL processor is what CLIPImageProcessor falls back to (with a warning) without torchvision
+    processor_cls = transformers.CLIPImageProcessorPil if hasattr(transformers, "CLIPImageProcessorPil") else transformers.CLIPImageProcessor
+    config = CLIPVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8)
+    processor = processor_cls(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return {"image_encoder": CLIPVisionModel(config).eval(), "image_processor": processor}
+
+
 def _scheduler(family: str):
     from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
@@ -81,14 +107,29 @@ def tiny_components(family: str, transformer: nn.Module) -> dict:
         if family != "dit":
             width = cfg.text_dim if family == "wan" else cfg.caption_channels
             parts.update(text_encoder=_tiny_text_encoder(family, width).eval(), tokenizer=char_tokenizer())
+        if family == "wan" and is_i2v(transformer):
+            parts.update(_tiny_image_encoder(cfg.image_dim))
     return parts
+
+
+def _ftfy_fallback() -> None:
+    """diffusers' WanImageToVideoPipeline cleans prompts with ftfy unguarded (WanPipeline skips ftfy
+    when it is not installed): give it WanPipeline's fallback instead of a NameError on every prompt."""
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+    from diffusers.utils import is_ftfy_available
+
+    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
+        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
 
 
 def pipeline(family: str, transformer: nn.Module, base: str | None, *, torch_dtype=None):
     """The family's diffusers pipeline around `transformer`; the other parts from `base`."""
     import diffusers
 
-    cls = getattr(diffusers, PIPELINES[family])
+    name = pipeline_name(family, transformer)
+    cls = getattr(diffusers, name)
+    if name == "WanImageToVideoPipeline":
+        _ftfy_fallback()
     if is_tiny(base):
         return cls(transformer=transformer, **tiny_components(family, transformer))
     if not base:
@@ -96,7 +137,7 @@ def pipeline(family: str, transformer: nn.Module, base: str | None, *, torch_dty
     try:
         return cls.from_pretrained(base, transformer=transformer, torch_dtype=torch_dtype)
     except OSError as exc:
-        raise TrainError(f"cannot load the {PIPELINES[family]} components from {base!r}: {str(exc).splitlines()[0]}") from None
+        raise TrainError(f"cannot load the {name} components from {base!r}: {str(exc).splitlines()[0]}") from None
 
 
 def tokenizer(base: str | None):

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .components import is_i2v
 from .errors import TrainError
 from .recipe import DataSpec
 
@@ -106,12 +107,6 @@ def synthetic(family: str, model, spec: DataSpec, seed: int) -> TensorData:
 
 WAN_TEXT_TOKENS = 512  # WanAttnProcessor: image tokens = all context tokens − 512
 IMAGE_TOKENS = 4  # synthetic CLIP image embeddings per example (CLIP ViT-H/14 at 224 px gives 257)
-
-
-def is_i2v(model) -> bool:
-    """A Wan transformer that also takes image-condition channels (in_channels = 2·z + mask)."""
-    cfg = model.config
-    return cfg.in_channels > cfg.out_channels
 
 
 def first_frame_mask(mask_channels: int, frames: int, height: int, width: int) -> torch.Tensor:

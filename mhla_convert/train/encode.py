@@ -1,6 +1,7 @@
 """Encode once, reuse after: image/video folders (Hugging Face `imagefolder` / `videofolder`
 layout: files plus `metadata.jsonl` with `file_name` and a caption or label column) go through the
-family's own VAE and text encoder (its pipeline's `encode_prompt`); text corpora are tokenized and
+family's own VAE and text encoder (its pipeline's `encode_prompt`; for Wan image-to-video also the
+first frame's condition latents and CLIP image embeddings); text corpora are tokenized and
 packed to the context length. Results land in `cache_dir/<key>/` as safetensors shards; the key
 hashes everything that changes the tensors, so a second run with the same data skips encoding."""
 
@@ -14,8 +15,8 @@ import numpy as np
 import torch
 
 from .. import __version__
-from .components import MAX_TEXT, pipeline, tokenizer
-from .data import load_shards, save_shards
+from .components import MAX_TEXT, is_i2v, pipeline, tokenizer
+from .data import WAN_TEXT_TOKENS, i2v_condition, load_shards, save_shards
 from .errors import TrainError
 from .recipe import DataSpec
 
@@ -112,12 +113,16 @@ def encode_folder(spec: DataSpec, family: str, transformer, components: str | No
     pipe = pipeline(family, transformer, components)
     if family == "wan" and (spec.num_frames - 1) % 4:
         raise TrainError(f"data.num_frames must be 4k+1 for Wan's VAE (e.g. 17, 33, 81); got {spec.num_frames}")
-    max_length = min(spec.max_text_length, MAX_TEXT.get(family, spec.max_text_length))
+    i2v = family == "wan" and is_i2v(transformer)
+    # the I2V attention splits image from text tokens at exactly 512, so I2V text is always that long
+    max_length = WAN_TEXT_TOKENS if i2v else min(spec.max_text_length, MAX_TEXT.get(family, spec.max_text_length))
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(rows), spec.encode_batch_size):
         chunk = rows[start : start + spec.encode_batch_size]
         pixels = torch.stack([_read(root / r["file_name"], spec, video=family == "wan") for r in chunk])
         columns = {"latents": _vae_encode(family, pipe.vae, pixels)}
+        if i2v:
+            columns.update(image_condition(pipe, pixels, columns["latents"]))
         if family == "dit":
             if any(spec.label_column not in r for r in chunk):
                 raise TrainError(f"DiT needs a class label per image: add \"{spec.label_column}\" to every metadata.jsonl line (or set data.label_column)")
@@ -131,6 +136,25 @@ def encode_folder(spec: DataSpec, family: str, transformer, components: str | No
     return {k: _pad_cat(v) for k, v in out.items()}
 
 
+def _to_image(frame: torch.Tensor):
+    """CHW in [-1, 1] → the RGB picture it was read from."""
+    from PIL import Image
+
+    return Image.fromarray(((frame.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy())
+
+
+def image_condition(pipe, pixels: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What WanImageToVideoPipeline derives from a video's first frame: `prepare_latents`' condition
+    (mask ⊕ the normalised VAE latents of the first frame followed by zero frames; the VAE sees the
+    padded clip, as in sampling) and `encode_image`'s CLIP embeddings of the frame as a picture."""
+    padded = torch.cat([pixels[:, :, :1], torch.zeros_like(pixels[:, :, 1:])], dim=2)
+    first = _vae_encode("wan", pipe.vae, padded).to(latents)
+    columns = i2v_condition(latents, pipe.vae_scale_factor_temporal, first)
+    if pipe.transformer.config.image_dim is not None:  # Wan2.1 I2V; later I2V models take no image tokens
+        columns["image_embeds"] = pipe.encode_image([_to_image(f) for f in pixels[:, :, 0]], pipe.device)
+    return columns
+
+
 def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along the batch, padding text lengths that differ between encode batches."""
     if parts[0].ndim >= 2 and len({p.shape[1] for p in parts}) > 1 and parts[0].ndim <= 3:
@@ -142,7 +166,8 @@ def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
 def cached_folder(spec: DataSpec, family: str, transformer, components: str | None) -> dict[str, torch.Tensor]:
     root = Path(spec.path)
     files = [root / "metadata.jsonl", *(root / r["file_name"] for r in _metadata(root))]
-    key = _cache_key(spec, family, components, files)
+    task = "wan-i2v" if family == "wan" and is_i2v(transformer) else family  # same folder, different tensors
+    key = _cache_key(spec, task, components, files)
     return _cached(spec, key, lambda: encode_folder(spec, family, transformer, components))
 
 

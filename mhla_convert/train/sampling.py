@@ -1,6 +1,7 @@
 """`mhla-convert sample`: the family's diffusers pipeline around a converted transformer (PNG, or
-MP4 for Wan), or `generate` for LMs. The other components come from the base model recorded in
-mhla_config.json, or are the tiny in-process ones for built-in tiny models."""
+MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a first frame for I2V models), or
+`generate` for LMs. The other components come from the base model recorded in mhla_config.json, or
+are the tiny in-process ones for built-in tiny models."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .components import is_tiny, pipeline, tokenizer
+from .components import is_i2v, is_tiny, pipeline, tokenizer
 from .errors import TrainError
 
 TINY_VIDEO = dict(height=64, width=64, num_frames=5)
@@ -29,11 +30,12 @@ def _load(checkpoint: Path, device):
 @torch.no_grad()
 def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 20, guidance_scale: float | None = None,
            height: int | None = None, width: int | None = None, num_frames: int | None = None, max_new_tokens: int = 32,
-           seed: int = 0, device: str | None = None) -> Path:
+           seed: int = 0, device: str | None = None, image=None) -> Path:
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta, model = _load(Path(checkpoint), device)
     family, base = meta["family"], meta.get("base_model")
+    first_frame = _first_frame(image, i2v=family == "wan" and is_i2v(model))
     out.parent.mkdir(parents=True, exist_ok=True)
     if family == "llama":
         tok = tokenizer(base)
@@ -57,6 +59,8 @@ def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 2
     elif family == "wan":
         size = TINY_VIDEO if is_tiny(base) else {}
         size = {**size, **{k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}}
+        if first_frame is not None:
+            kwargs["image"] = first_frame
         frames = pipe(prompt=prompt, output_type="np", **size, **kwargs).frames[0]
         return _write_video(frames, out)
     else:
@@ -67,6 +71,22 @@ def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 2
         image = pipe(prompt=prompt, use_resolution_binning=not is_tiny(base), **size, **kwargs).images[0]
     image.save(out if out.suffix else out.with_suffix(".png"))
     return out
+
+
+def _first_frame(image, *, i2v: bool):
+    """The I2V first frame as RGB; refused before any pipeline loads when it is missing or unused."""
+    if i2v and image is None:
+        raise TrainError("this is a Wan image-to-video checkpoint: pass the first frame with --image FIRST_FRAME.png")
+    if image is None:
+        return None
+    if not i2v:
+        raise TrainError("--image is for Wan image-to-video checkpoints; this one generates from the prompt alone")
+    from PIL import Image
+
+    try:
+        return Image.open(image).convert("RGB")
+    except OSError as exc:
+        raise TrainError(f"cannot read the first frame {image}: {str(exc).splitlines()[0]}") from None
 
 
 def _write_video(frames, out: Path, fps: int = 16) -> Path:
