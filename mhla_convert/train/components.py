@@ -6,7 +6,6 @@ components built in-process (no downloads), seeded so that encoding and sampling
 from __future__ import annotations
 
 import string
-import types
 
 import torch
 from torch import nn
@@ -112,24 +111,12 @@ def tiny_components(family: str, transformer: nn.Module) -> dict:
     return parts
 
 
-def _ftfy_fallback() -> None:
-    """diffusers' WanImageToVideoPipeline cleans prompts with ftfy unguarded (WanPipeline skips ftfy
-    when it is not installed): give it WanPipeline's fallback instead of a NameError on every prompt."""
-    from diffusers.pipelines.wan import pipeline_wan_i2v
-    from diffusers.utils import is_ftfy_available
-
-    if not is_ftfy_available() and not hasattr(pipeline_wan_i2v, "ftfy"):
-        pipeline_wan_i2v.ftfy = types.SimpleNamespace(fix_text=lambda text: text)
-
-
 def pipeline(family: str, transformer: nn.Module, base: str | None, *, torch_dtype=None):
     """The family's diffusers pipeline around `transformer`; the other parts from `base`."""
     import diffusers
 
     name = pipeline_name(family, transformer)
     cls = getattr(diffusers, name)
-    if name == "WanImageToVideoPipeline":
-        _ftfy_fallback()
     if is_tiny(base):
         return cls(transformer=transformer, **tiny_components(family, transformer))
     if not base:
