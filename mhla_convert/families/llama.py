@@ -30,7 +30,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
-    """(B, n) bool: which of the current n tokens are not padding; None when all are (or unknown).
+    """(B, n) bool: which of the current n tokens are not padding; None when unknown. (Never asks
+    whether all are real: that would sync the device on every layer call.)
 
     The decoder layer gets the mask already expanded: 2-D (B, KV) for flash attention, or 4-D
     (B, 1, n, KV), bool (True = attend) or additive float (0 = attend). A token is real iff it may
@@ -46,7 +47,7 @@ def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
         real = diag if diag.dtype == torch.bool else diag == 0
     else:
         return None
-    return None if bool(real.all()) else real
+    return real
 
 
 class MHLALlamaAttention(MHLAttention):
@@ -152,6 +153,8 @@ class LlamaAdapter(FamilyAdapter):
     def load_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
+        if "torch_dtype" in kwargs:  # the adapters' common name; transformers 5 calls it `dtype`
+            kwargs["dtype"] = kwargs.pop("torch_dtype")
         return AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
 
     def model_config(self, model: nn.Module) -> dict[str, Any]:
