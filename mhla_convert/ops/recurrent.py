@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockLayout
+from .dispatch import select_step_backend
 from .feature_maps import FeatureMap, resolve_feature_map
 
 
@@ -90,8 +91,6 @@ def mhla_recurrent_step(
         raise ValueError(f"a recurrent step takes one token: q, k, v must be (B, 1, H, D); got {tuple(q.shape)}")
     if relative.shape[-1] != state.window or relative.dim() not in (1, 2):
         raise ValueError(f"relative mixing must be (W,) or (H, W) with W = {state.window}; got {tuple(relative.shape)}")
-    from .dispatch import select_step_backend
-
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = select_step_backend(backend, state, q, k, v, relative, phi=phi)

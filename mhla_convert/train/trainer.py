@@ -77,9 +77,9 @@ def _full_state_into(wrapped, fresh) -> None:
     `full_tensor()` all-gathers; FSDP1 gathers under its FULL_STATE_DICT context."""
     from torch.distributed.tensor import DTensor
 
-    target = fresh.state_dict()
-    if any(isinstance(v, DTensor) for v in wrapped.state_dict().values()):  # FSDP2
-        for name, value in wrapped.state_dict().items():
+    target, state = fresh.state_dict(), wrapped.state_dict()
+    if any(isinstance(v, DTensor) for v in state.values()):  # FSDP2
+        for name, value in state.items():
             full = value.full_tensor() if isinstance(value, DTensor) else value
             target[name].copy_(full.detach())
         return
