@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from mhla_convert.kernels import mhla_recurrent_step_triton, mhla_triton  # noqa: E402
 from mhla_convert.ops import BlockLayout, init_state, mhla_attention, mhla_attention_reference  # noqa: E402
 from mhla_convert.ops import mhla_recurrent_step  # noqa: E402
-from mhla_convert.ops.dispatch import select_backend, select_step_backend  # noqa: E402
+from mhla_convert.ops.dispatch import select  # noqa: E402
 from mhla_convert.ops.recurrent import step_torch  # noqa: E402
 from mhla_convert.ops.feature_maps import resolve_feature_map  # noqa: E402
 
@@ -131,6 +131,29 @@ def test_interpreter_split_blocks_and_reference(monkeypatch):
     _compare(((9, 40), (3, 1), None, False, 2, 2, 16, 16, True, True, "relu"), torch.float32, "cpu", 1e-5)
 
 
+def _compare_forward(case, dtype, device, tol):
+    """Inference (no autograd: the kernels without the autograd Function), against the float32
+    torch path (same 2x rule)."""
+    torch.manual_seed(1)
+    q, k, v, mixing = (t.detach() for t in _inputs(case, dtype, device))
+    grid, blocks, chunk, causal, *_, normalize, fmap = case
+    kw = dict(grid=grid, blocks=blocks, chunk_size=chunk, causal=causal, normalize=normalize, feature_map=fmap)
+    with torch.no_grad():
+        want = mhla_attention(q.float(), k.float(), v.float(), mixing, backend="torch", **kw)
+        got = mhla_attention(q, k, v, mixing, backend="triton", **kw)
+        own = mhla_attention(q, k, v, mixing, backend="torch", **kw).float()
+    assert got.grad_fn is None and torch.isfinite(got).all(), "an autograd node, or an unwritten element"
+    err = ((got.float() - want).norm() / want.norm()).item()
+    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
+    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+
+
+@interp
+@pytest.mark.parametrize("name", CASES)
+def test_interpreter_forward_only(name):
+    _compare_forward(CASES[name], torch.float32, "cpu", 1e-5)
+
+
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
 def test_interpreter_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -147,7 +170,7 @@ def test_dispatch_falls_back_to_torch():
     layout = BlockLayout.create((3, 4), (1, 2))
     relu = resolve_feature_map("relu")
     # auto never picks Triton off CUDA (the interpreter is for tests), nor for a callable φ
-    assert select_backend("auto", q, q, q, torch.rand(2, 2), layout, causal=False, phi=relu) is mhla_attention_torch
+    assert select("attention", "auto", mhla_attention_torch, q, q, q, torch.rand(2, 2), layout, causal=False, phi=relu) is mhla_attention_torch
     reason = mhla_triton.unsupported_reason(q, q, q, torch.rand(2, 2), layout, causal=False, phi=torch.sigmoid)
     assert "callable" in reason
     with pytest.raises(ValueError, match="triton backend does not take"):
@@ -188,10 +211,18 @@ def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("name", list(CASES) + list(FAMILY_CASES))
+def test_cuda_forward_only(name, dtype):
+    _compare_forward({**CASES, **FAMILY_CASES}[name], dtype, "cuda", TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_auto_uses_triton():
     q = torch.randn(1, 12, 2, 16, device="cuda", dtype=torch.bfloat16)
     layout = BlockLayout.create((3, 4), (1, 2))
-    impl = select_backend("auto", q, q, q, torch.rand(2, 2), layout, causal=False, phi=resolve_feature_map("relu"))
+    impl = select("attention", "auto", None, q, q, q, torch.rand(2, 2), layout, causal=False, phi=resolve_feature_map("relu"))
     assert impl is mhla_triton.mhla_attention_triton
 
 
@@ -264,8 +295,8 @@ def test_step_dispatch_falls_back_to_torch():
     q = torch.randn(1, 1, 2, 16)
     state = init_state(q[:, :0], q[:, :0], chunk_size=4, window=3)
     relu = resolve_feature_map("relu")
-    assert select_step_backend("auto", state, q, q, q, torch.rand(3), phi=relu) is step_torch
-    assert select_step_backend("torch", state, q, q, q, torch.rand(3), phi=relu) is step_torch
+    assert select("step", "auto", step_torch, state, q, q, q, torch.rand(3), phi=relu) is step_torch
+    assert select("step", "torch", step_torch, state, q, q, q, torch.rand(3), phi=relu) is step_torch
     with pytest.raises(ValueError, match="backend must be one of"):
         mhla_recurrent_step(state, q, q, q, torch.rand(3), backend="nope")
     with pytest.raises(ValueError, match="triton backend does not take"):
@@ -292,5 +323,96 @@ def test_cuda_recurrent_step_matches_torch(name, dtype):
 def test_cuda_auto_step_uses_triton():
     q = torch.randn(1, 1, 2, 16, device="cuda", dtype=torch.bfloat16)
     state = init_state(q[:, :0], q[:, :0], chunk_size=4, window=3)
-    impl = select_step_backend("auto", state, q, q, q, torch.rand(3, device="cuda"), phi=resolve_feature_map("relu"))
+    impl = select("step", "auto", step_torch, state, q, q, q, torch.rand(3, device="cuda"), phi=resolve_feature_map("relu"))
     assert impl is mhla_recurrent_step_triton
+
+
+# --- the q/k norm + interleaved rotary op (Wan) ----------------------------------------------------
+from mhla_convert.ops.rotary import norm_rotate_interleaved  # noqa: E402
+
+# (batch, tokens, heads, head dim, cos/sin batch, norm: "affine" | "plain" | None)
+ROTARY_CASES = {
+    "odd-rows-affine": (2, 7, 3, 12, 1, "affine"),
+    "per-batch-table-plain": (2, 5, 2, 8, 2, "plain"),
+    "no-norm": (1, 9, 4, 16, 1, None),
+    "wan-shape": (1, 300, 12, 128, 1, "affine"),
+}
+
+
+def _rotary_inputs(case, dtype, device):
+    batch, n, heads, dim, table_batch, norm = case
+    x = torch.randn(batch, n, heads * dim, device=device, dtype=dtype) * 3
+    # diffusers' Wan repeats each angle over its pair; distinct columns here check which ones are read
+    angles = torch.rand(table_batch, n, 1, dim, device=device) * 6.3
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    module = None
+    if norm is not None:
+        module = torch.nn.RMSNorm(heads * dim, eps=1e-6, elementwise_affine=norm == "affine").to(device, dtype)
+        if norm == "affine":
+            torch.nn.init.uniform_(module.weight, 0.5, 1.5)
+    return x, cos, sin, module
+
+
+def _compare_rotary(case, dtype, device, tol):
+    torch.manual_seed(2)
+    x, cos, sin, norm = _rotary_inputs(case, dtype, device)
+    dim = case[3]
+    with torch.no_grad():
+        norm32 = None if norm is None else type(norm)(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None)
+        if norm is not None and norm.weight is not None:
+            norm32.weight.copy_(norm.weight.float())
+        want = norm_rotate_interleaved(x.float(), cos, sin, head_dim=dim, norm=None if norm is None else norm32.to(device), backend="torch")
+        got = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
+        own = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
+    assert got.shape == want.shape and torch.isfinite(got).all(), "wrong shape, or an unwritten element"
+    err = ((got.float() - want).norm() / want.norm()).item()
+    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
+    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+
+
+@interp
+@pytest.mark.parametrize("name", [c for c in ROTARY_CASES if c != "wan-shape"])
+def test_interpreter_norm_rotate_matches_torch(name):
+    _compare_rotary(ROTARY_CASES[name], torch.float32, "cpu", 1e-6)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("name", ROTARY_CASES)
+def test_cuda_norm_rotate_matches_torch(name, dtype):
+    _compare_rotary(ROTARY_CASES[name], dtype, "cuda", TOL[dtype])
+
+
+def test_norm_rotate_needs_no_gradients_for_the_kernel():
+    """Training keeps the torch path (the kernel has no backward): auto picks torch, triton says why."""
+    x, cos, sin, norm = _rotary_inputs(ROTARY_CASES["odd-rows-affine"], torch.float32, "cpu")
+    x.requires_grad_()
+    out = norm_rotate_interleaved(x, cos, sin, head_dim=12, norm=norm)
+    out.sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with pytest.raises(ValueError, match="need gradients"):
+        norm_rotate_interleaved(x, cos, sin, head_dim=12, norm=norm, backend="triton")
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_wan_layer_fused_rotary_matches_torch():
+    """A converted tiny Wan on CUDA: the layers' fused norm + rotary (auto) against the torch path."""
+    from mhla_convert.convert import convert
+    from mhla_convert.families import adapter_for_model
+    from mhla_convert.layer import mhla_layers
+    from mhla_convert.models import tiny_model
+
+    torch.manual_seed(3)
+    model = tiny_model("tiny-wan").cuda()
+    convert(model)
+    inputs = adapter_for_model(model).example_inputs(model, (3, 4, 6))
+    outs = {}
+    for backend in ("torch", "auto"):
+        for _, layer in mhla_layers(model):
+            layer.config.backend = backend
+        with torch.no_grad():
+            outs[backend] = model(**inputs).sample
+    err = ((outs["auto"] - outs["torch"]).norm() / outs["torch"].norm()).item()
+    assert err < 1e-5, err

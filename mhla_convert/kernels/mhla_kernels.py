@@ -8,6 +8,9 @@ Grid → block mapping is index arithmetic (`_rows`): every grid is seen as 3-D 
 leading axes of length 1, block m covers the box of per-axis size s_a = ceil(L_a / b_a) at block
 coordinates (m // (b1·b2), m // b2 % b1, m % b2), slots past the grid are masked. Nothing is
 permuted or padded in memory. A causal chunk is one block of a 1-D grid and fits one tile.
+
+Head dims and COLS are compile-time constants: a run-time D of 72 (not a multiple of 16) hides
+from Triton that the `d < D` masks are constant over runs of 8, and every load turns scalar.
 """
 
 from __future__ import annotations
@@ -58,25 +61,28 @@ def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
 
 @triton.jit
 def _summaries_kernel(
-    K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS,
-    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS: tl.constexpr,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
 ):
-    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split)."""
+    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split).
+    z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
+    measured 8% faster on the Wan summaries, no slower elsewhere."""
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
     s_acc = tl.zeros((BD, BDV), tl.float32)
-    z_acc = tl.zeros((BD,), tl.float32)
+    z16 = tl.zeros((BD, 16), tl.float32)  # 16 equal columns: the smallest tile product
     for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
         n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
         fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
         vv = tl.load(vp + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
         s_acc += tl.dot(tl.trans(fk.to(vv.dtype)), vv, input_precision=DOT_PREC)
-        z_acc += tl.sum(fk, 0)
+        z16 += tl.dot(tl.trans(fk.to(vv.dtype)), tl.full((BT, 16), 1.0, vv.dtype), input_precision=DOT_PREC)
+    z_acc = tl.max(z16, 1)
     out = S + (bh * M + m).to(tl.int64) * COLS
     smask = dm[:, None] & em[None, :]
     if ATOMIC:
@@ -89,7 +95,7 @@ def _summaries_kernel(
 
 @triton.jit
 def _mix_kernel(
-    A, X, OUT, COLS, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
+    A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles.
@@ -130,8 +136,8 @@ def _mix_kernel(
 @triton.jit
 def _readout_kernel(
     Q, K, V, ST, MIX, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh,
-    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
-    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
 ):
@@ -183,8 +189,8 @@ def _readout_tile(Q, K, V, O, st, zt, MIX, j, m, b, h, d, e, dm, em,
 def _bwd_query_kernel(
     Q, K, V, O, DO, ST, MIX, DQ, DST,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
-    H, HKV_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
-    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    H, HKV_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr, HMIX_GROUP: tl.constexpr,
     TILES_PER_PROG: tl.constexpr,
@@ -258,8 +264,8 @@ def _bwd_query_kernel(
 def _bwd_key_kernel(
     Q, K, V, O, DO, ST, MIX, DS, DK, DVV, DMII,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
-    H, HKV, HMIX_GROUP, HMIX, M, COLS, MIX_SH, scale, eps,
-    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D, DV,
+    H, HKV, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
+    L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, HKV_GROUP: tl.constexpr,
 ):
@@ -315,7 +321,7 @@ def _bwd_key_kernel(
 
 @triton.jit
 def _dmix_kernel(
-    DST, S, PART, HMIX, GX, M, COLS, SPLIT,
+    DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT,
     SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """PART[(b, p, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser);
@@ -358,7 +364,7 @@ def _recurrent_step_kernel(
     Q, K, V, R, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, O, NEW_S, NEW_Z,
     sqb, sqh, skb, skh, svb, svh,
     cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h,
-    HKV, G, R_SH, W, scale, eps, D, DV,
+    HKV, G, R_SH, W, scale, eps, D: tl.constexpr, DV: tl.constexpr,
     NREC: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PHI: tl.constexpr,
     NORMALIZE: tl.constexpr,
 ):

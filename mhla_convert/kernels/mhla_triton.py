@@ -35,8 +35,11 @@ PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many progr
 FWD_CONFIGS: dict = {(128, 128): (4, None)}  # keyed on (D, Dv)
 
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
 
 
 def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, phi) -> str | None:
@@ -56,6 +59,10 @@ def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, ph
 
 def supports(q, k, v, mixing, layout, *, causal, phi) -> bool:
     return q.is_cuda and unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi) is None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # (triton.cdiv costs microseconds per call: it is a JIT-aware function)
 
 
 def _p2(x: int) -> int:
@@ -131,6 +138,7 @@ class _Plan:
     """Everything the launches need that is fixed by the shapes and options."""
 
     batch: int
+    tokens: int
     heads: int
     kv_heads: int
     mix_heads: int  # heads with their own mixed summary: H when mixing is per head, else H_kv
@@ -175,7 +183,7 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     bt = _p2(t) if causal else min(TILE_TOKENS, _p2(t))
     bd, bdv = _p2(dim), _p2(dv)
     return _Plan(
-        batch, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks, dim * dv + dim, causal,
+        batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks, dim * dv + dim, causal,
         _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
         "ieee" if q.dtype == torch.float32 else "tf32", per_head, WIDE_WARPS if max(bd, bdv) >= 128 else 4,
     )
@@ -190,51 +198,67 @@ def _fwd_kw(p: _Plan) -> dict:
     return kw
 
 
-_FWD_STATIC: dict = {}
+_STATIC: dict = {}
 
 
-def _fwd_static(p: _Plan, device):
-    """Per plan (and launch settings): grids and keyword arguments of the forward launches."""
+def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a contiguous (B, N, H, D) tensor (every q/k/v/o here is one)."""
+    return n * heads * dim, heads * dim, dim
+
+
+def _static(p: _Plan, device):
+    """Per plan (and launch settings), everything but the tensors of the forward launches and the
+    mixing GEMMs: grids, integer arguments, keyword arguments and their cache keys."""
     key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES)
-    hit = _FWD_STATIC.get(key)
+    hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
-        nt = triton.cdiv(p.geometry["T"], p.bt)
+        nt = _cdiv(p.geometry["T"], p.bt)
         wanted = _programs_wanted(device)
+        qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
+        vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
         s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p))
         r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
         r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
                     **_fwd_kw(p))
-        hit = dict(plan=p, s_grid=(p.batch * p.kv_heads, p.m, s_splits), s_kw=s_kw, s_key=tuple(s_kw.items()),
-                   s_zero=s_splits > 1, r_grid=(p.batch * p.heads, p.m, r_splits), r_kw=r_kw,
-                   r_key=tuple(r_kw.items()))
-        if len(_FWD_STATIC) > 1024:
-            _FWD_STATIC.clear()
-        _FWD_STATIC[key] = hit
+        hit = dict(plan=p, s_zero=s_splits > 1,
+                   summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
+                   readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
+                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True))
+        if len(_STATIC) > 1024:
+            _STATIC.clear()
+        _STATIC[key] = hit
     return hit
 
 
+def _mix_launch(p: _Plan, *, transpose: bool):
+    """Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)]. Transposed: out[b, hk] = Σ over
+    the mixing heads of key head hk of mixᵀ @ dS̃. (All summaries are contiguous (B, H, M, COLS).)"""
+    m, cols = p.m, p.cols
+    if transpose:
+        h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
+    else:
+        h_in, h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
+    bm, bn, bk, warps = MIX_TILES
+    kw = dict(M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps)
+    ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, h_in * m * cols, m * cols, h_out * m * cols, m * cols)
+    return (p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items())
+
+
+def _run(fn, launch, tensors):
+    grid, ints, kw, key = launch
+    _launch(fn, grid, (*tensors, *ints), kw, key)
+
+
 def _summaries(p: _Plan, k, v):
-    f = _fwd_static(p, k.device)
+    f = _static(p, k.device)
     s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=f["s_zero"])
-    _launch(K._summaries_kernel, f["s_grid"], (k, v, s, *_strides(k), *_strides(v), p.kv_heads, p.m, p.cols),
-            f["s_kw"], f["s_key"])
+    _run(K._summaries_kernel, f["summaries"], (k, v, s))
     return s
 
 
 def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
-    """Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)]. Transposed: out[b, hk] = Σ over
-    the mixing heads of key head hk of mixᵀ @ dS̃."""
-    m, cols = p.m, p.cols
-    if transpose:
-        h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
-    else:
-        h_out, r, gx, a_si, a_sk, mask = p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
-    bm, bn, bk, warps = MIX_TILES
-    grid = (p.batch * h_out, triton.cdiv(m, bm), triton.cdiv(cols, bn))
-    _launch(K._mix_kernel, grid,
-            (mixing, x, out, cols, h_out, gx, p.mix_sh, a_si, a_sk, x.stride(0), x.stride(1), out.stride(0), out.stride(1)),
-            dict(M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps))
+    _run(K._mix_kernel, _static(p, x.device)["mix_t" if transpose else "mix"], (mixing, x, out))
     return out
 
 
@@ -242,16 +266,14 @@ def _forward(p: _Plan, q, k, v, mixing):
     s = _summaries(p, k, v)
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
-    o = _new(p.batch, q.shape[1], p.heads, p.dv, device=q.device, dtype=q.dtype)
-    f = _fwd_static(p, q.device)
-    _launch(K._readout_kernel, f["r_grid"],
-            (q, k, v, st, mixing, o, *_strides(q), *_strides(k), *_strides(v), *_strides(o), p.heads), f["r_kw"], f["r_key"])
+    o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
+    _run(K._readout_kernel, _static(p, q.device)["readout"], (q, k, v, st, mixing, o))
     return s, st, o
 
 
 def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     dev, f32 = q.device, torch.float32
-    nt = triton.cdiv(p.geometry["T"], p.bt)
+    nt = _cdiv(p.geometry["T"], p.bt)
     splits, per = _split(nt, p.batch * p.mix_heads * p.m, _programs_wanted(dev))
     dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=dev, dtype=f32, zero=splits > 1)
     dq = _new(*q.shape, device=dev, dtype=q.dtype)
@@ -275,12 +297,12 @@ def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
 def _mixing_grad(p: _Plan, dst, s, dmii):
     bm = bn = 64 if p.m > 32 else 32
     bk = 32
-    tiles = triton.cdiv(p.m, bm) * triton.cdiv(p.m, bn)
-    splits = max(1, min(triton.cdiv(p.cols, bk), triton.cdiv(_programs_wanted(dst.device), p.batch * p.mix_heads * tiles)))
-    split_cols = triton.cdiv(triton.cdiv(p.cols, splits), bk) * bk
-    splits = triton.cdiv(p.cols, split_cols)
+    tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
+    splits = max(1, min(_cdiv(p.cols, bk), _cdiv(_programs_wanted(dst.device), p.batch * p.mix_heads * tiles)))
+    split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
+    splits = _cdiv(p.cols, split_cols)
     part = _new(p.batch * p.mix_heads * splits, p.m, p.m, device=dst.device, dtype=torch.float32)
-    K._dmix_kernel[(part.shape[0], triton.cdiv(p.m, bm), triton.cdiv(p.m, bn))](
+    K._dmix_kernel[(part.shape[0], _cdiv(p.m, bm), _cdiv(p.m, bn))](
         dst, s, part, p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols,
         STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4,
     )
@@ -319,7 +341,9 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
         if len(_PLANS) > 1024:
             _PLANS.clear()
         _PLANS[key] = plan
-    return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mixing.requires_grad):
+        return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
+    return _forward(plan, q, k, v, mixing.contiguous())[2]  # inference: no autograd node, nothing kept
 
 
 _PLANS: dict = {}

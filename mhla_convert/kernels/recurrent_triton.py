@@ -70,7 +70,7 @@ def mhla_recurrent_step_triton(state, q, k, v, relative, *, phi, normalize, scal
     bg = min(triton.next_power_of_2(groups), STEP_MAX_GROUP)
     bd = triton.next_power_of_2(dim)
     be = min(triton.next_power_of_2(dv), max(4, STEP_ELEMENTS // (bg * bd)))
-    grid = (batch * kv_heads, triton.cdiv(groups, bg), triton.cdiv(dv, be))
+    grid = (batch * kv_heads, MT._cdiv(groups, bg), MT._cdiv(dv, be))
     args = (q, k, v, relative, cur_s, cur_z, rec_s, rec_z, far_s, far_z, out, new_s, new_z,
             sqb, sqh, skb, skh, svb, svh, cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k,
             fs_b, fs_h, fs_d, fz_b, fz_h, kv_heads, groups, window if relative.dim() == 2 else 0, window,

@@ -9,6 +9,7 @@ nothing to any summary.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,14 @@ class BlockLayout:
 
     @classmethod
     def create(cls, grid, blocks) -> "BlockLayout":
+        """Validated layout of `blocks` over `grid`; cached, as every operator call asks for one."""
+        try:
+            return _cached_layout(grid, blocks)
+        except TypeError:  # unhashable (lists): the same layout through tuples
+            return _cached_layout(as_axes("grid", grid), as_axes("blocks", blocks))
+
+    @classmethod
+    def _build(cls, grid, blocks) -> "BlockLayout":
         grid, blocks = as_axes("grid", grid), as_axes("blocks", blocks)
         if len(blocks) != len(grid):
             raise ValueError(f"blocks must have one entry per grid axis (len {len(grid)} for grid {grid}); got {blocks}")
@@ -127,3 +136,8 @@ class BlockLayout:
         """(M, T) bool: which padded slots hold real tokens."""
         ones = torch.ones(1, self.num_tokens, 1, 1, device=device)
         return self.to_blocks(ones)[0, 0, :, :, 0].bool()
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_layout(grid, blocks) -> BlockLayout:
+    return BlockLayout._build(grid, blocks)

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from .blocks import BlockLayout, as_axes
-from .dispatch import select_backend
+from .dispatch import select
 from .feature_maps import FeatureMap, resolve_feature_map
 
 Backend = Literal["auto", "torch", "triton"]
@@ -99,7 +99,7 @@ def mhla_attention(
     layout = check_inputs(q, k, v, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    impl = select_backend(backend, q, k, v, mixing, layout, causal=causal, phi=phi)
+    impl = select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal, phi=phi)
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
 
 

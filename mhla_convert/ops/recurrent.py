@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockLayout
-from .dispatch import select_step_backend
+from .dispatch import select
 from .feature_maps import FeatureMap, resolve_feature_map
 
 
@@ -93,7 +93,7 @@ def mhla_recurrent_step(
         raise ValueError(f"relative mixing must be (W,) or (H, W) with W = {state.window}; got {tuple(relative.shape)}")
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    impl = select_step_backend(backend, state, q, k, v, relative, phi=phi)
+    impl = select("step", backend, step_torch, state, q, k, v, relative, phi=phi)
     out, cur_s, cur_z = impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
     return out, _advance(state, cur_s, cur_z)
 
