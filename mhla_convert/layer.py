@@ -17,6 +17,7 @@ from torch import nn
 from .mixing import MixingInit, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
 from .ops import MHLAState, init_state, mhla_attention, mhla_recurrent_step
 from .ops.blocks import as_axes
+from .ops.rotary import InterleavedRotary
 
 Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -129,12 +130,18 @@ class MHLAttention(nn.Module):
     def project(self, x: torch.Tensor, rotary: Rotary | None = None):
         """x (B, N, C) → q, k, v as (B, N, H, D), normed and rotated as the host model did."""
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        rotate = rotary is not None and self.config.rope == "before_feature_map"
+        if rotate and self.qk_norm == "across_heads" and isinstance(rotary, InterleavedRotary):
+            # norm and rotation in one pass per tensor where a kernel takes them (ops.rotary)
+            backend = "torch" if self.config.backend == "torch" else "auto"
+            q, k = (rotary.norm_rotate(t, norm, self.head_dim, backend) for t, norm in ((q, self.norm_q), (k, self.norm_k)))
+            return q, k, v.unflatten(-1, (-1, self.head_dim))
         if self.qk_norm == "across_heads":
             q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
         if self.qk_norm == "per_head":
             q, k = self.norm_q(q), self.norm_k(k)
-        if rotary is not None and self.config.rope == "before_feature_map":
+        if rotate:
             q, k = rotary(q, k)
         return q, k, v
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops import mhla_attention
+from ..ops.rotary import InterleavedRotary
 from .base import FamilyAdapter, UnsupportedModelError
 
 GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
@@ -38,14 +39,6 @@ class TokenGrid:
     def __call__(self, module, args, kwargs) -> None:
         x = args[0] if args else kwargs["hidden_states"]
         self.grid = tuple(size // p for size, p in zip(x.shape[-len(self.patch_size):], self.patch_size))
-
-
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE on (B, N, H, D): rotates interleaved (even, odd) channel pairs, same ops as
-    `WanAttnProcessor`, so teacher and student see bitwise the same rotated q and k."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 def fitted_blocks(grid: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor | None]:
@@ -122,11 +115,7 @@ class DiffusersMHLA(MHLAttention):
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("an MHLA self-attention layer takes neither encoder_hidden_states nor an attention mask")
-        rotary = None
-        if rotary_emb is not None:
-            cos, sin = rotary_emb
-            rotary = lambda q, k: (rotate_interleaved(q, cos, sin), rotate_interleaved(k, cos, sin))  # noqa: E731
-        q, k, v = self.project(hidden_states, rotary)
+        q, k, v = self.project(hidden_states, None if rotary_emb is None else InterleavedRotary(*rotary_emb))
         out = self.output(self.attend(q, k, v, self.current_grid(hidden_states.shape[1])))
         if self.clip_fp16 and out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
