@@ -1,7 +1,7 @@
 """Attention-operator benchmark: SDPA vs MHLA (torch path) vs MHLA (Triton) — and, causal, fla's
 `chunk_linear_attn` when installed — forward and forward+backward, over N for the target shapes.
 
-    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out out/attention_op] [--baseline]
+    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out out/attention_op]
 
 Prints a table (ms, median of CUDA-event timings after warm-up, via triton.testing.do_bench),
 writes <out>.csv and, with matplotlib, <out>.png (time vs N). A script, never a test.
@@ -31,19 +31,6 @@ SHAPES = {
 }
 CHUNK = 64
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-BASELINE = False
-
-
-def _baseline(fn):
-    from _old_launch import old_launch
-
-    def run():
-        with old_launch():
-            return fn()
-
-    return run
 
 
 def _time(fn) -> float:
@@ -80,9 +67,6 @@ def bench_row(family, heads, dim, grid, blocks, dtype):
         "mhla_torch": (lambda: mhla_attention(q, k, v, mixing, backend="torch", **kw), [q, k, v, mixing]),
         "mhla_triton": (lambda: mhla_attention(q, k, v, mixing, backend="triton", **kw), [q, k, v, mixing]),
     }
-    if BASELINE:  # the previous launch path in the same process: no plan cache, Triton's launcher, old shapes
-        variants["mhla_triton_base"] = (_baseline(lambda: mhla_attention(q, k, v, mixing, backend="triton", **kw)),
-                                        [q, k, v, mixing])
     if causal:
         try:
             from fla.ops.linear_attn import chunk_linear_attn
@@ -103,14 +87,11 @@ def main():
     ap.add_argument("--shapes", default="wan,dit,sana,causal")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--out", default="out/attention_op")
-    ap.add_argument("--baseline", action="store_true", help="also time the previous launch path (mhla_triton_base)")
     ap.add_argument("--fwd-configs", default=None, help="forward launch settings (kernel_breakdown.py --best)")
     args = ap.parse_args()
     import _fwd_configs
 
     _fwd_configs.load(args.fwd_configs)
-    global BASELINE
-    BASELINE = args.baseline
     rows = []
     for family in args.shapes.split(","):
         heads, dim, sizes = SHAPES[family]

@@ -2,10 +2,11 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py [--fwd-sweep [--best FILE.json]]
+    python benchmarks/kernel_breakdown.py [--fwd-sweep [--best FILE.json] | --mix-sweep | --regs | --once SHAPE]
 
 --fwd-sweep times the forward per (warps, stages) setting of the summaries and readout
-launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim).
+launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim); --mix-sweep the mixing
+GEMM per tile shape (`MIX_TILES`); --regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 32}), ("TILE_TOKENS", {"TILE_TOKENS": 128}),
-         ("WIDE_WARPS", {"WIDE_WARPS": 4}), ("PROGRAMS_PER_SM", {"PROGRAMS_PER_SM": 16}),
-         ("MIX_TILES", {"MIX_TILES": (64, 128, 32, 4)}), ("MIX_TILES", {"MIX_TILES": (128, 64, 32, 8)}),
-         ("MIX_TILES", {"MIX_TILES": (32, 128, 32, 4)})]
+KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 32}),
+         ("TILE_TOKENS", {"TILE_TOKENS": 128}), ("WIDE_WARPS", {"WIDE_WARPS": 4})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -79,8 +78,71 @@ def fwd_sweep(best_path=None):
             json.dump([[bd, bd, *(cfg or (None, None))] for bd, cfg in best.items()], f)
 
 
+MIX_SWEEP = [(32, 128, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8), (128, 64, 32, 4), (128, 256, 32, 8),
+             (128, 128, 64, 8), (64, 256, 32, 8)]
+
+
+def _inputs(heads, dim, layout, causal):
+    q, k, v = (torch.randn(1, layout.num_tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mixing = torch.rand(layout.num_blocks, layout.num_blocks, device="cuda")
+    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=resolve_feature_map("relu"), normalize=True,
+                    scale=dim**-0.5, eps=1e-6)
+    return plan, q, k, v, mixing
+
+
+def mix_sweep():
+    """The mixing GEMM (forward, and transposed as in the backward) per MIX_TILES setting."""
+    saved = MT.MIX_TILES
+    print("| shape | MIX_TILES (BM, BN, BK, warps) | mix fwd | mixT bwd | (ms) |")
+    for shape, args in SHAPES.items():
+        plan, q, k, v, mixing = _inputs(*args)
+        s, st, _ = MT._forward(plan, q, k, v, mixing)
+        ds = torch.empty_like(s)
+        for tiles in MIX_SWEEP:
+            MT.MIX_TILES = tiles
+            t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
+            fwd = t(lambda: MT._mix(plan, mixing, s, st, transpose=False))
+            bwd = t(lambda: MT._mix(plan, mixing, s, ds, transpose=True))
+            print(f"| {shape} | {tiles} | {fwd:.4f} | {bwd:.4f} |", flush=True)
+    MT.MIX_TILES = saved
+
+
+def _compiled():
+    out = {}
+    for fn in (MT.K._summaries_kernel, MT.K._mix_kernel, MT.K._readout_kernel,
+               MT.K._bwd_query_kernel, MT.K._bwd_key_kernel, MT.K._dmix_kernel):
+        for cache in fn.device_caches.values():
+            for key, kernel in cache[0].items():
+                out[(fn.__name__, key)] = kernel.result() if hasattr(kernel, "result") else kernel
+    return out
+
+
+def regs():
+    """Registers / spills / shared memory of each kernel compiled for a forward and backward per shape."""
+    for shape, args in SHAPES.items():
+        before = set(_compiled())
+        plan, q, k, v, mixing = _inputs(*args)
+        s, st, o = MT._forward(plan, q, k, v, mixing)
+        MT._backward(plan, q, k, v, mixing, s, st, o, torch.randn_like(o), True)
+        torch.cuda.synchronize()
+        for (name, _), kernel in _compiled().items():
+            if (name, _) not in before:
+                md = kernel.metadata
+                print(f"{shape} {name}: regs {kernel.n_regs} spills {kernel.n_spills} smem {md.shared} "
+                      f"warps {md.num_warps} stages {md.num_stages}", flush=True)
+
+
 def main():
     import sys
+
+    if "--once" in sys.argv:  # three forwards of one shape, nothing else (for `ncu`)
+        plan, q, k, v, mixing = _inputs(*SHAPES[sys.argv[sys.argv.index("--once") + 1]])
+        for _ in range(3):
+            MT._forward(plan, q, k, v, mixing)
+        return torch.cuda.synchronize()
+    for flag, fn in (("--mix-sweep", mix_sweep), ("--regs", regs)):
+        if flag in sys.argv:
+            return fn()
 
     if "--fwd-sweep" in sys.argv:
         saved = dict(MT.FWD_CONFIGS)

@@ -1,89 +1,33 @@
 """Whole-transformer forward latency: a Wan2.1-1.3B-shaped `WanTransformer3DModel` (real config,
 random weights) at 81x480x800 (31,500 tokens), or with --model sana a SANA-1600M-shaped
-`SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px; original vs self-attention
-swapped for MHLA (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
+`SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px; original vs converted to MHLA
+with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at
+0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|sana] [--backend auto|torch|triton]
+    python benchmarks/wan_forward.py [--model wan|sana|wan-layer] [--backend auto|torch|triton]
 
-The swap is a small attention processor that projects q/k/v with the module's own weights and
-calls `mhla_attention` (the converter is the library's way; this keeps the benchmark standalone).
+--model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
+(projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
 bf16, batch 1, no grad; median of CUDA-event timings of whole forwards after warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 from datetime import date
 
 import torch
 
-from mhla_convert.mixing import locality_mixing
-from mhla_convert.ops import mhla_attention
+from mhla_convert.convert import convert
 
 WAN_CONFIG = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6,
 )
-
-
-def _rope(x, cos, sin):
-    """Wan's interleaved RoPE, as in diffusers' WanAttnProcessor."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
-
-
-class _Grid:
-    """The post-patch token grid of the current forward, captured by a model pre-hook."""
-
-    def __init__(self, model, patch):
-        self.value = None
-        model.register_forward_pre_hook(self._hook, with_kwargs=True)
-        self.patch = patch
-
-    def _hook(self, module, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        self.value = tuple(s // p for s, p in zip(x.shape[2:], self.patch))
-
-
-class WanMHLAProcessor:
-    def __init__(self, grid: _Grid, blocks, backend):
-        self.grid, self.blocks, self.backend = grid, blocks, backend
-        self.mixing = None
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k = attn.norm_q(q), attn.norm_k(k)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        if rotary_emb is not None:
-            q, k = _rope(q, *rotary_emb), _rope(k, *rotary_emb)
-        if self.mixing is None:
-            self.mixing = locality_mixing(self.blocks).to(q.device)
-        out = mhla_attention(q, k, v, self.mixing, grid=self.grid.value, blocks=self.blocks, backend=self.backend)
-        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
-
-
-class SanaMHLAProcessor:
-    """SANA's own linear attention (ReLU, no scale, eps 1e-15) with M blocks instead of one."""
-
-    def __init__(self, grid: _Grid, blocks_for, backend):
-        self.grid, self.blocks_for, self.backend = grid, blocks_for, backend
-        self.mixing = {}
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None):
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
-        blocks = self.blocks_for(self.grid.value)
-        if blocks not in self.mixing:
-            self.mixing[blocks] = locality_mixing(blocks).to(q.device)
-        out = mhla_attention(q, k, v, self.mixing[blocks], grid=self.grid.value, blocks=blocks, scale=1.0, eps=1e-15,
-                             backend=self.backend)
-        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3)))
+WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid
 
 
 def _time(fn, warmup=2, reps=7) -> float:
@@ -100,28 +44,65 @@ def _time(fn, warmup=2, reps=7) -> float:
     return statistics.median(times)
 
 
-def bench_wan(backend):
+def _converted(model, backend, **plan):
+    out = copy.deepcopy(model)
+    convert(out, backend=backend, **plan)
+    return out
+
+
+def _wan(num_layers=30):
     from diffusers import WanTransformer3DModel
 
     with torch.device("cuda"):
-        model = WanTransformer3DModel(**WAN_CONFIG).to(torch.bfloat16).eval()
-    grid = _Grid(model, WAN_CONFIG["patch_size"])
+        return WanTransformer3DModel(**{**WAN_CONFIG, "num_layers": num_layers}).to(torch.bfloat16).eval()
+
+
+def bench_wan(backend):
+    model = _wan()
     x = torch.randn(1, 16, 21, 60, 100, device="cuda", dtype=torch.bfloat16)
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
     t = torch.tensor([500], device="cuda")
-    run = lambda: model(x, t, text, return_dict=False)  # noqa: E731
-    originals = {i: b.attn1.processor for i, b in enumerate(model.blocks)}
-    mhla = WanMHLAProcessor(grid, (7, 3, 5), backend)
-    rows = []
+    variants = {
+        "original (SDPA)": model,
+        f"all 30 self-attentions -> MHLA ({backend}), M=105": _converted(model, backend, blocks=WAN_BLOCKS),
+        f"20 of 30 -> MHLA ({backend}), softmax at 0,3,...,27": _converted(
+            model, backend, blocks=WAN_BLOCKS, layers=[i for i in range(30) if i % 3]),
+    }
     with torch.no_grad():
-        rows.append(("original (SDPA)", _time(run)))
-        for i, b in enumerate(model.blocks):
-            b.attn1.set_processor(mhla)
-        rows.append((f"all 30 self-attentions -> MHLA ({backend}), M=105", _time(run)))
-        for i, b in enumerate(model.blocks):
-            b.attn1.set_processor(originals[i] if i % 3 == 0 else mhla)
-        rows.append((f"20 of 30 -> MHLA ({backend}), softmax at 0,3,...,27", _time(run)))
+        rows = [(name, _time(lambda: m(x, t, text, return_dict=False))) for name, m in variants.items()]
     return "Wan2.1-1.3B-shaped, 81x480x800 -> 21x30x50 = 31,500 tokens", rows
+
+
+def bench_wan_layer(backend):
+    from triton.testing import do_bench
+
+    from mhla_convert.ops import mhla_attention
+    from mhla_convert.ops.rotary import InterleavedRotary
+    from mhla_convert.layer import mhla_layers
+
+    model = _wan(num_layers=1)
+    rotary = model.rope(torch.randn(1, 16, 21, 60, 100, device="cuda", dtype=torch.bfloat16))
+    attn = model.blocks[0].attn1
+    mhla_model = _converted(model, backend, blocks=WAN_BLOCKS)
+    layer = mhla_layers(mhla_model)[0][1]
+    layer.token_grid.grid = grid = (21, 30, 50)
+    h = torch.randn(1, 31500, 1536, device="cuda", dtype=torch.bfloat16)
+    q, k, v = attn.to_q(h), attn.to_k(h), attn.to_v(h)
+    rot = InterleavedRotary(*rotary)
+    q4, k4, v4 = (t.unflatten(2, (12, -1)) for t in (q, k, v))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q4, k4, v4))
+    pieces = {
+        "original module (SDPA)": lambda: attn(h, None, None, rotary),
+        f"MHLA module ({backend})": lambda: layer(h, rotary_emb=rotary),
+        "q, k, v, out projections": lambda: (attn.to_q(h), attn.to_k(h), attn.to_v(h), attn.to_out[0](h)),
+        "RMSNorm + RoPE of q and k, torch (the host's ops)": lambda: [rot.norm_rotate(t, n, 128, "torch") for t, n in ((q, attn.norm_q), (k, attn.norm_k))],
+        "RMSNorm + RoPE of q and k, fused (ops.rotary)": lambda: [rot.norm_rotate(t, n, 128, backend) for t, n in ((q, attn.norm_q), (k, attn.norm_k))],
+        f"MHLA op ({backend})": lambda: mhla_attention(q4, k4, v4, layer.mixing, grid=grid, blocks=WAN_BLOCKS, backend=backend),
+        "SDPA op": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
+    }
+    with torch.no_grad():
+        rows = [(name, do_bench(fn, warmup=25, rep=200, return_mode="median")) for name, fn in pieces.items()]
+    return "one Wan2.1-1.3B self-attention module, 31,500 tokens (ms; speed-up column: vs the first row)", rows
 
 
 def bench_sana(backend):
@@ -130,48 +111,32 @@ def bench_sana(backend):
     with torch.device("cuda"):
         model = SanaTransformer2DModel().to(torch.bfloat16).eval()
     cfg = model.config
-    grid = _Grid(model, (cfg.patch_size, cfg.patch_size))
-    blocks_for = lambda g: (4, 4) if g[0] <= 32 else (8, 8)  # noqa: E731  M=16 at 1024 px, 64 at 4096 px
-    mhla = SanaMHLAProcessor(grid, blocks_for, backend)
-    originals = {i: b.attn1.processor for i, b in enumerate(model.transformer_blocks)}
     text = torch.randn(1, 300, cfg.caption_channels, device="cuda", dtype=torch.bfloat16)
     t = torch.tensor([500], device="cuda")
     rows = []
     with torch.no_grad():
-        for px, side in ((1024, 32), (4096, 128)):
+        for px, side, blocks in ((1024, 32, (4, 4)), (4096, 128, (8, 8))):  # M = 16 and 64
             x = torch.randn(1, cfg.in_channels, side, side, device="cuda", dtype=torch.bfloat16)
-            run = lambda: model(x, text, t, return_dict=False)  # noqa: E731
-            for i, b in enumerate(model.transformer_blocks):
-                b.attn1.set_processor(originals[i])
-            rows.append((f"{px} px original (SANA linear attention), {side}x{side} tokens", _time(run)))
-            for b in model.transformer_blocks:
-                b.attn1.set_processor(mhla)
-            rows.append((f"{px} px MHLA ({backend}), M={16 if side == 32 else 64}", _time(run)))
+            mhla = _converted(model, backend, blocks=blocks)
+            rows.append((f"{px} px original (SANA linear attention), {side}x{side} tokens",
+                         _time(lambda: model(x, text, t, return_dict=False))))
+            rows.append((f"{px} px MHLA ({backend}), M={blocks[0] * blocks[1]}", _time(lambda: mhla(x, text, t, return_dict=False))))
+            del mhla
     return "SANA-1600M-shaped (class defaults)", rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wan", choices=("wan", "sana"))
+    ap.add_argument("--model", default="wan", choices=("wan", "sana", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    ap.add_argument("--fwd-configs", default=None, help="forward launch settings (kernel_breakdown.py --best)")
-    ap.add_argument("--old-launch", action="store_true", help="the previous launch path: no plan cache, Triton's launcher")
     args = ap.parse_args()
-    import _fwd_configs
-
-    _fwd_configs.load(args.fwd_configs)
-    if args.old_launch:
-        import _old_launch
-
-        _old_launch.enable()
-        print("--old-launch: FWD_CONFIGS = {}, no plan/launch caches", flush=True)
-    title, rows = (bench_wan if args.model == "wan" else bench_sana)(args.backend)
+    title, rows = {"wan": bench_wan, "sana": bench_sana, "wan-layer": bench_wan_layer}[args.model](args.backend)
     print(f"\n{date.today()} {torch.cuda.get_device_name()} bf16 batch 1 — {title}")
     base = rows[0][1]
     for name, ms in rows:
         if name.endswith("tokens"):
             base = ms
-        print(f"| {name} | {ms:.1f} ms | {base / ms:.2f}x |")
+        print(f"| {name} | {ms:.3f} ms | {base / ms:.2f}x |")
 
 
 if __name__ == "__main__":
