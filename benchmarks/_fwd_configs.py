@@ -8,5 +8,5 @@ def load(path):
     from mhla_convert.kernels import mhla_triton as MT
 
     if path:
-        MT.FWD_CONFIGS = {(bd, bdv): (warps, stages) for bd, bdv, warps, stages in json.load(open(path))}
+        MT.FWD_CONFIGS = {(bd, bdv): tuple(cfg) for bd, bdv, *cfg in json.load(open(path))}
     print("FWD_CONFIGS:", MT.FWD_CONFIGS, flush=True)

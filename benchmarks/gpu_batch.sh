@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.
 python3 -c "import torch,triton;print(torch.__version__,triton.__version__)" | tee -a $OUT/env.txt
 timeout 240 python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/test_kernels.py > $OUT/tests.log 2>&1
 echo "tests rc=$?" >> $OUT/tests.log
-timeout 150 python3 benchmarks/kernel_breakdown.py > $OUT/breakdown.log 2>&1
+{ timeout 150 python3 benchmarks/kernel_breakdown.py; [ -n "$SWEEP" ] && timeout 200 python3 benchmarks/kernel_breakdown.py --fwd-sweep; } > $OUT/breakdown.log 2>&1
 timeout 150 python3 benchmarks/attention_op.py --shapes ${SHAPES:-wan,dit,sana} --out $OUT/attention_op > $OUT/attention_op.log 2>&1
-for m in wan-layer sana wan; do timeout 150 python3 benchmarks/wan_forward.py --model $m; done > $OUT/models.log 2>&1
+for m in ${MODELS:-wan-layer sana wan}; do timeout 150 python3 benchmarks/wan_forward.py --model $m; done > $OUT/models.log 2>&1
 tail -4 $OUT/tests.log; cat $OUT/breakdown.log; tail -8 $OUT/attention_op.log; grep "|\|Error" $OUT/models.log

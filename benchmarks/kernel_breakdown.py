@@ -27,8 +27,8 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 32}),
-         ("TILE_TOKENS", {"TILE_TOKENS": 128}), ("WIDE_WARPS", {"WIDE_WARPS": 4})]
+KNOBS = [("default", {}), ("QUADRATIC_MAX_TOKENS", {"QUADRATIC_MAX_TOKENS": 10**9}),
+         ("QUADRATIC_MAX_TOKENS", {"QUADRATIC_MAX_TOKENS": 0})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -36,27 +36,35 @@ def breakdown(heads, dim, layout, causal, backward=True):
     q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = layout.num_blocks
     mixing = torch.rand(m, m, device="cuda")
-    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=resolve_feature_map("relu"), normalize=True,
-                    scale=dim**-0.5, eps=1e-6)
+    plan_phi = resolve_feature_map("relu")
+    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=plan_phi, normalize=True, scale=dim**-0.5, eps=1e-6)
     s, st, o = MT._forward(plan, q, k, v, mixing)
     do = torch.randn_like(o)
     t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
+    from mhla_convert.ops.mhla import mhla_attention_torch
+
+    want = mhla_attention_torch(q.float(), k.float(), v.float(), mixing, layout, causal=causal, phi=plan_phi,
+                                normalize=True, scale=dim**-0.5, eps=1e-6)
+    err = ((MT._inference(plan, q, k, v, mixing).float() - want).norm() / want.norm()).item()
     return dict(
+        err_x1e3=err * 1e3,
         summaries=t(lambda: MT._summaries(plan, k, v)),
         mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
+        infer=t(lambda: MT._inference(plan, q, k, v, mixing)),
         **(dict(bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True))) if backward else {}),
     )
 
 
-# forward launch shapes tried per shape (warps, stages), against FWD_CONFIGS = {} (plan warps, default stages)
-FWD_SWEEP = [(4, None), (8, 3), (4, 4), (4, 3), (8, 4)]
+# forward launch shapes tried per shape (warps, stages, token tile), against FWD_CONFIGS = {} (plan warps,
+# default stages, TILE_TOKENS)
+FWD_SWEEP = [(4, None, None), (8, None, None), (8, None, 128), (4, None, 128), (8, 2, None), (8, 4, None), (4, 2, None)]
 
 
 def fwd_sweep(best_path=None):
     """Forward (summaries and whole forward) per FWD_CONFIGS entry, one shape at a time; with
     best_path, writes per padded head dim the setting of least summed forward time over its shapes."""
-    print("| shape | (warps, stages) | summaries | mix | fwd | (ms) |")
+    print("| shape | (warps, stages, tile) | rel. err x1e3 | summaries | mix | fwd | infer | (ms) |")
     totals = {}
     for shape, (heads, dim, layout, causal) in SHAPES.items():
         bd = dim  # settings are keyed on the head dims (D, Dv)
@@ -75,7 +83,7 @@ def fwd_sweep(best_path=None):
         import json
 
         with open(best_path, "w") as f:
-            json.dump([[bd, bd, *(cfg or (None, None))] for bd, cfg in best.items()], f)
+            json.dump([[bd, bd, *(cfg or (None, None, None))] for bd, cfg in best.items()], f)
 
 
 MIX_SWEEP = [(32, 128, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8), (128, 64, 32, 4), (128, 256, 32, 8),
@@ -149,8 +157,8 @@ def main():
         fwd_sweep(sys.argv[sys.argv.index("--best") + 1] if "--best" in sys.argv else None)
         MT.FWD_CONFIGS = saved
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES")}
-    print("| shape | setting | summaries | mix | fwd | bwd | (ms) |")
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "QUADRATIC_MAX_TOKENS")}
+    print("| shape | setting | rel. err x1e3 | summaries | mix | fwd | infer | bwd | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:
             for name, value in {**defaults, **change}.items():

@@ -28,11 +28,13 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+QUADRATIC_MAX_TOKENS = 2048  # inference, non-causal, N at most this: `_quadratic_kernel` (one launch, O(N²))
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
-# forward launch shapes per head dims (D, Dv): (warps, stages) of the summaries and readout launches;
-# absent = (the plan's warps, Triton's default). From `benchmarks/kernel_breakdown.py --fwd-sweep`
-# (docs/benchmarks.md): D = 128 runs 4 warps (Wan 0.411 -> 0.336 ms), D = 72 keeps 8 (4 is slower).
-FWD_CONFIGS: dict = {(128, 128): (4, None)}  # keyed on (D, Dv)
+# forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
+# launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
+# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.350 -> 0.295 ms with 4 warps and 2 stages, DiT (D = 72)
+# at 16,384 tokens 0.324 -> 0.235 ms with 128-token tiles.
+FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (8, None, 128), (64, 64): (4, 2)}  # keyed on (D, Dv)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -190,11 +192,14 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
 
 
 def _fwd_kw(p: _Plan) -> dict:
-    """Keyword arguments of the summaries and readout launches (warps and stages per head dims)."""
-    warps, stages = FWD_CONFIGS.get((p.dim, p.dv), (None, None))
+    """Keyword arguments of the summaries and readout launches (warps, stages and, non-causal, the
+    token tile per head dims)."""
+    warps, stages, tile = (*FWD_CONFIGS.get((p.dim, p.dv), ()), None, None, None)[:3]
     kw = {**p.tile_kw(), "num_warps": warps or p.warps}
     if stages is not None:
         kw["num_stages"] = stages
+    if tile is not None and not p.causal:
+        kw["BT"] = min(tile, _p2(p.geometry["T"]))
     return kw
 
 
@@ -209,22 +214,24 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of the forward launches and the
     mixing GEMMs: grids, integer arguments, keyword arguments and their cache keys."""
-    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES)
+    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES, TILE_TOKENS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
-        nt = _cdiv(p.geometry["T"], p.bt)
+        fwd = _fwd_kw(p)
+        nt = _cdiv(p.geometry["T"], fwd["BT"])
         wanted = _programs_wanted(device)
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
-        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p))
+        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **fwd)
         r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
         r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
-                    **_fwd_kw(p))
+                    **fwd)
         hit = dict(plan=p, s_zero=s_splits > 1,
                    summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
                    readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True))
+                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True),
+                   quadratic=_quadratic_launch(p, qs, ks, vs, os_))
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
@@ -245,14 +252,25 @@ def _mix_launch(p: _Plan, *, transpose: bool):
     return (p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items())
 
 
+def _quadratic_launch(p: _Plan, qs, ks, vs, os_):
+    kt = _cdiv(p.geometry["T"], p.bt)
+    kw = dict(**p.tile_kw(), NORMALIZE=p.normalize, DOT_PREC=p.prec, MB=p.m, KT=kt)
+    ints = (*qs, *ks, *vs, *os_, p.heads, p.heads // p.kv_heads, p.m, p.mix_sh, p.scale, p.eps)
+    return (p.batch * p.heads, p.m, kt), ints, kw, tuple(kw.items())
+
+
 def _run(fn, launch, tensors):
     grid, ints, kw, key = launch
     _launch(fn, grid, (*tensors, *ints), kw, key)
 
 
-def _summaries(p: _Plan, k, v):
+def _summaries(p: _Plan, k, v, half: bool = False):
+    """Block summaries, float32; `half`: in k's dtype when that is half precision (and the launch
+    is not split over programs, which adds up float32 partials), which halves the bytes written
+    here and read by the mixing GEMM: inference only, as the mixing gradient reads them too."""
     f = _static(p, k.device)
-    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=f["s_zero"])
+    half = half and not f["s_zero"] and k.dtype != torch.float32
+    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype if half else torch.float32, zero=f["s_zero"])
     _run(K._summaries_kernel, f["summaries"], (k, v, s))
     return s
 
@@ -262,8 +280,8 @@ def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
     return out
 
 
-def _forward(p: _Plan, q, k, v, mixing):
-    s = _summaries(p, k, v)
+def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
+    s = _summaries(p, k, v, half_summaries)
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
@@ -343,7 +361,17 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
         _PLANS[key] = plan
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mixing.requires_grad):
         return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
-    return _forward(plan, q, k, v, mixing.contiguous())[2]  # inference: no autograd node, nothing kept
+    return _inference(plan, q, k, v, mixing.contiguous())
+
+
+def _inference(p: _Plan, q, k, v, mixing):
+    """The output alone (no autograd node, nothing kept): short non-causal sequences in one
+    O(N²) launch, else the three launches."""
+    if p.causal or p.tokens > QUADRATIC_MAX_TOKENS:
+        return _forward(p, q, k, v, mixing, half_summaries=True)[2]
+    o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
+    _run(K._quadratic_kernel, _static(p, q.device)["quadratic"], (q, k, v, mixing, o))
+    return o
 
 
 _PLANS: dict = {}
