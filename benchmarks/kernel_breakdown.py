@@ -27,8 +27,7 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("QUADRATIC_MAX_TOKENS", {"QUADRATIC_MAX_TOKENS": 10**9}),
-         ("QUADRATIC_MAX_TOKENS", {"QUADRATIC_MAX_TOKENS": 0})]
+KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 128}), ("WIDE_WARPS", {"WIDE_WARPS": 4})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -157,7 +156,7 @@ def main():
         fwd_sweep(sys.argv[sys.argv.index("--best") + 1] if "--best" in sys.argv else None)
         MT.FWD_CONFIGS = saved
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "QUADRATIC_MAX_TOKENS")}
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES")}
     print("| shape | setting | rel. err x1e3 | summaries | mix | fwd | infer | bwd | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:

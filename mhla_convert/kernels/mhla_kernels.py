@@ -186,42 +186,6 @@ def _readout_tile(Q, K, V, O, st, zt, MIX, j, m, b, h, d, e, dm, em,
 
 
 @triton.jit
-def _quadratic_kernel(
-    Q, K, V, MIX, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh,
-    H, HKV_GROUP, M, MIX_SH, scale, eps, L0, L1, L2, S0, S1, S2, NB1, NB2, T,
-    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr, MB: tl.constexpr, KT: tl.constexpr,
-):
-    """The non-causal forward for short sequences, straight from the definition in one launch: a
-    query tile of block i against every key tile of every block j, A = φ(q)φ(k)ᵀ·scale·m_ij,
-    o = A v / (Σ A + eps). O(N²) work, but at N ≈ 1k one loop beats three launches."""
-    bh, i, qt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = (bh // H).to(tl.int64), bh % H
-    hk = h // HKV_GROUP
-    d, e = tl.arange(0, BD), tl.arange(0, BDV)
-    dm, em = d < D, e < DV
-    nq, vq = _rows(i, qt * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-    fq, _ = _load_phi(Q + b * sqb + h * sqh, nq, vq, sqn, d, dm, PHI)
-    fq = (fq * scale).to(Q.dtype.element_ty)
-    kp, vp = K + b * skb + hk * skh, V + b * svb + hk * svh
-    acc = tl.zeros((BT, BDV), tl.float32)
-    den = tl.zeros((BT,), tl.float32)
-    for j in range(MB):
-        w = tl.load(MIX + h * MIX_SH + i * M + j).to(tl.float32)
-        for t in range(KT):
-            nk, vk = _rows(j, t * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-            fk, _ = _load_phi(kp, nk, vk, skn, d, dm, PHI)
-            vv = tl.load(vp + nk[:, None] * svn + e[None, :], mask=vk[:, None] & em[None, :], other=0.0)
-            a = tl.dot(fq, tl.trans(fk.to(fq.dtype)), input_precision=DOT_PREC) * w
-            acc += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
-            if NORMALIZE:
-                den += tl.sum(a, 1)
-    if NORMALIZE:
-        acc = acc / (den + eps)[:, None]
-    tl.store(O + b * sob + h * soh + nq[:, None] * son + e[None, :], acc.to(O.dtype.element_ty), mask=vq[:, None] & em[None, :])
-
-
-@triton.jit
 def _bwd_query_kernel(
     Q, K, V, O, DO, ST, MIX, DQ, DST,
     sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,

@@ -28,7 +28,6 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
-QUADRATIC_MAX_TOKENS = 2048  # inference, non-causal, N at most this: `_quadratic_kernel` (one launch, O(N²))
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
@@ -230,8 +229,7 @@ def _static(p: _Plan, device):
         hit = dict(plan=p, s_zero=s_splits > 1,
                    summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
                    readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True),
-                   quadratic=_quadratic_launch(p, qs, ks, vs, os_))
+                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True))
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
@@ -250,13 +248,6 @@ def _mix_launch(p: _Plan, *, transpose: bool):
     kw = dict(M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps)
     ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, h_in * m * cols, m * cols, h_out * m * cols, m * cols)
     return (p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items())
-
-
-def _quadratic_launch(p: _Plan, qs, ks, vs, os_):
-    kt = _cdiv(p.geometry["T"], p.bt)
-    kw = dict(**p.tile_kw(), NORMALIZE=p.normalize, DOT_PREC=p.prec, MB=p.m, KT=kt)
-    ints = (*qs, *ks, *vs, *os_, p.heads, p.heads // p.kv_heads, p.m, p.mix_sh, p.scale, p.eps)
-    return (p.batch * p.heads, p.m, kt), ints, kw, tuple(kw.items())
 
 
 def _run(fn, launch, tensors):
@@ -365,13 +356,8 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
 
 
 def _inference(p: _Plan, q, k, v, mixing):
-    """The output alone (no autograd node, nothing kept): short non-causal sequences in one
-    O(N²) launch, else the three launches."""
-    if p.causal or p.tokens > QUADRATIC_MAX_TOKENS:
-        return _forward(p, q, k, v, mixing, half_summaries=True)[2]
-    o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
-    _run(K._quadratic_kernel, _static(p, q.device)["quadratic"], (q, k, v, mixing, o))
-    return o
+    """The output alone: no autograd node, nothing kept, half-precision summaries."""
+    return _forward(p, q, k, v, mixing, half_summaries=True)[2]
 
 
 _PLANS: dict = {}
