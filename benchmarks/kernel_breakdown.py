@@ -2,7 +2,7 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py [--fwd-sweep [--best FILE.json] | --mix-sweep | --regs | --once SHAPE]
+    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep [--best FILE.json] | --mix-sweep | --regs | --once SHAPE]
 
 --fwd-sweep times the forward per (warps, stages) setting of the summaries and readout
 launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim); --mix-sweep the mixing
@@ -27,7 +27,7 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("TILE_TOKENS", {"TILE_TOKENS": 128}), ("WIDE_WARPS", {"WIDE_WARPS": 4})]
+KNOBS = [("default", {}), ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False}), ("TILE_TOKENS", {"TILE_TOKENS": 128})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -100,15 +100,16 @@ def _inputs(heads, dim, layout, causal):
 def mix_sweep():
     """The mixing GEMM (forward, and transposed as in the backward) per MIX_TILES setting."""
     saved = MT.MIX_TILES
-    print("| shape | MIX_TILES (BM, BN, BK, warps) | mix fwd | mixT bwd | (ms) |")
+    print("| shape | MIX_TILES (BM, BN, BK, warps) | mix fwd (half summaries) | mixT bwd | (ms) |")
     for shape, args in SHAPES.items():
         plan, q, k, v, mixing = _inputs(*args)
         s, st, _ = MT._forward(plan, q, k, v, mixing)
+        s_half = MT._forward(plan, q, k, v, mixing, half_summaries=True)[0]  # what inference mixes
         ds = torch.empty_like(s)
         for tiles in MIX_SWEEP:
             MT.MIX_TILES = tiles
             t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
-            fwd = t(lambda: MT._mix(plan, mixing, s, st, transpose=False))
+            fwd = t(lambda: MT._mix(plan, mixing, s_half, st, transpose=False))
             bwd = t(lambda: MT._mix(plan, mixing, s, ds, transpose=True))
             print(f"| {shape} | {tiles} | {fwd:.4f} | {bwd:.4f} |", flush=True)
     MT.MIX_TILES = saved
@@ -142,6 +143,12 @@ def regs():
 def main():
     import sys
 
+    if "--shapes" in sys.argv:  # a subset of SHAPES, comma-separated names
+        keep = sys.argv[sys.argv.index("--shapes") + 1].split(",")
+        for name in list(SHAPES):
+            if name not in keep:
+                del SHAPES[name]
+
     if "--once" in sys.argv:  # three forwards of one shape, nothing else (for `ncu`)
         plan, q, k, v, mixing = _inputs(*SHAPES[sys.argv[sys.argv.index("--once") + 1]])
         for _ in range(3):
@@ -156,7 +163,7 @@ def main():
         fwd_sweep(sys.argv[sys.argv.index("--best") + 1] if "--best" in sys.argv else None)
         MT.FWD_CONFIGS = saved
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES")}
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS")}
     print("| shape | setting | rel. err x1e3 | summaries | mix | fwd | infer | bwd | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:

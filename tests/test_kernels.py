@@ -65,6 +65,9 @@ CASES = {
     "causal-ragged-gqa": ((37,), None, 16, True, 4, 2, 16, 16, False, True, "relu"),
     "causal-per-head-elu-unnorm": ((45,), None, 16, True, 2, 2, 16, 32, True, False, "elu"),
     "causal-blocks": ((40,), (3,), None, True, 4, 2, 24, 20, True, True, "relu"),
+    # head dims in two column parts in the forward (40 = 32 + 16, 72 = 64 + 16)
+    "split-head-dims-gqa": ((5, 7), (2, 2), None, False, 2, 1, 40, 72, True, True, "relu"),
+    "split-key-dim-elu-unnorm": ((6, 5), (3, 2), None, False, 2, 2, 72, 32, False, False, "elu"),
 }
 
 
@@ -161,6 +164,12 @@ def test_interpreter_in_subprocess():
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and " passed" in summary and "skipped" not in summary, done.stdout[-3000:]
+
+
+def test_head_dim_parts():
+    parts = {d: mhla_triton.head_dim_parts(d) for d in (16, 20, 24, 32, 40, 48, 64, 72, 80, 96, 100, 128)}
+    assert parts == {16: (16, 0), 20: (32, 0), 24: (32, 0), 32: (32, 0), 40: (32, 16), 48: (32, 16), 64: (64, 0),
+                     72: (64, 16), 80: (64, 16), 96: (64, 32), 100: (128, 0), 128: (128, 0)}
 
 
 def test_dispatch_falls_back_to_torch():

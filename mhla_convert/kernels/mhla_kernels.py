@@ -64,33 +64,69 @@ def _summaries_kernel(
     K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS: tl.constexpr,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
-    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
 ):
     """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split).
+
     z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
-    measured 8% faster on the Wan summaries, no slower elsewhere."""
+    measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim
+    that is not a power of two into BD + BDH columns (72 = 64 + 16 instead of 128): four smaller
+    accumulators in place of one mostly padded one (see `head_dim_parts`)."""
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // HKV).to(tl.int64), bh % HKV
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
-    s_acc = tl.zeros((BD, BDV), tl.float32)
-    z16 = tl.zeros((BD, 16), tl.float32)  # 16 equal columns: the smallest tile product
+    s_ll = tl.zeros((BD, BDV), tl.float32)
+    z_l = tl.zeros((BD, 16), tl.float32)  # 16 equal columns: the smallest tile product
+    if BDVH:
+        eh = BDV + tl.arange(0, BDVH)
+        ehm = eh < DV
+        s_lh = tl.zeros((BD, BDVH), tl.float32)
+    if BDH:
+        dh = BD + tl.arange(0, BDH)
+        dhm = dh < D
+        s_hl = tl.zeros((BDH, BDV), tl.float32)
+        z_h = tl.zeros((BDH, 16), tl.float32)
+        if BDVH:
+            s_hh = tl.zeros((BDH, BDVH), tl.float32)
     for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
         n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-        fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
         vv = tl.load(vp + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
-        s_acc += tl.dot(tl.trans(fk.to(vv.dtype)), vv, input_precision=DOT_PREC)
-        z16 += tl.dot(tl.trans(fk.to(vv.dtype)), tl.full((BT, 16), 1.0, vv.dtype), input_precision=DOT_PREC)
-    z_acc = tl.max(z16, 1)
+        ones = tl.full((BT, 16), 1.0, vv.dtype)
+        fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
+        fk = tl.trans(fk.to(vv.dtype))
+        s_ll += tl.dot(fk, vv, input_precision=DOT_PREC)
+        z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
+        if BDVH:
+            vh = tl.load(vp + n[:, None] * svn + eh[None, :], mask=valid[:, None] & ehm[None, :], other=0.0)
+            s_lh += tl.dot(fk, vh, input_precision=DOT_PREC)
+        if BDH:
+            fkh, _ = _load_phi(kp, n, valid, skn, dh, dhm, PHI)
+            fkh = tl.trans(fkh.to(vv.dtype))
+            s_hl += tl.dot(fkh, vv, input_precision=DOT_PREC)
+            z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
+            if BDVH:
+                s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
     out = S + (bh * M + m).to(tl.int64) * COLS
-    smask = dm[:, None] & em[None, :]
+    _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC)
+    _put(out + D * DV + d, tl.max(z_l, 1), dm, ATOMIC)
+    if BDVH:
+        _put(out + d[:, None] * DV + eh[None, :], s_lh, dm[:, None] & ehm[None, :], ATOMIC)
+    if BDH:
+        _put(out + dh[:, None] * DV + e[None, :], s_hl, dhm[:, None] & em[None, :], ATOMIC)
+        _put(out + D * DV + dh, tl.max(z_h, 1), dhm, ATOMIC)
+        if BDVH:
+            _put(out + dh[:, None] * DV + eh[None, :], s_hh, dhm[:, None] & ehm[None, :], ATOMIC)
+
+
+@triton.jit
+def _put(ptr, value, mask, ATOMIC: tl.constexpr):
+    """Store (cast to the buffer's dtype), or add float32 partials when a block is split over programs."""
     if ATOMIC:
-        tl.atomic_add(out + d[:, None] * DV + e[None, :], s_acc, mask=smask)
-        tl.atomic_add(out + D * DV + d, z_acc, mask=dm)
+        tl.atomic_add(ptr, value, mask=mask)
     else:
-        tl.store(out + d[:, None] * DV + e[None, :], s_acc.to(S.dtype.element_ty), mask=smask)
-        tl.store(out + D * DV + d, z_acc.to(S.dtype.element_ty), mask=dm)
+        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,49 +176,68 @@ def _readout_kernel(
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
 ):
     """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
-    adds the query's own chunk, weighted by m_ii, as a masked tile product."""
+    adds the query's own chunk, weighted by m_ii, as a masked tile product. BDH / BDVH: head dims
+    in two column parts, as in `_summaries_kernel` (non-causal only)."""
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
     st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    dt = st.dtype
     if NORMALIZE:
         zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+    if BDVH:
+        eh = BDV + tl.arange(0, BDVH)
+        ehm = eh < DV
+        st_lh = tl.load(sp + d[:, None] * DV + eh[None, :], mask=dm[:, None] & ehm[None, :], other=0.0)
+    if BDH:
+        dh = BD + tl.arange(0, BDH)
+        dhm = dh < D
+        st_hl = tl.load(sp + dh[:, None] * DV + e[None, :], mask=dhm[:, None] & em[None, :], other=0.0)
+        if NORMALIZE:
+            zt_h = tl.load(sp + D * DV + dh, mask=dhm, other=0.0).to(tl.float32)
+        if BDVH:
+            st_hh = tl.load(sp + dh[:, None] * DV + eh[None, :], mask=dhm[:, None] & ehm[None, :], other=0.0)
+    qp, op = Q + b * sqb + h * sqh, O + b * sob + h * soh
     for t in range(TILES_PER_PROG):
         j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
-        _readout_tile(Q, K, V, O, st, zt if NORMALIZE else st, MIX, j, m, b, h, d, e, dm, em,
-                      sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, HKV_GROUP, M, MIX_SH, scale, eps,
-                      L0, L1, L2, S0, S1, S2, NB1, NB2, T, PHI, NORMALIZE, CAUSAL, DOT_PREC)
-
-
-@triton.jit
-def _readout_tile(Q, K, V, O, st, zt, MIX, j, m, b, h, d, e, dm, em,
-                  sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, HKV_GROUP, M, MIX_SH, scale, eps,
-                  L0, L1, L2, S0, S1, S2, NB1, NB2, T,
-                  PHI: tl.constexpr, NORMALIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
-    n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-    fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
-    fq = fq * scale
-    num = tl.dot(fq.to(st.dtype), st, input_precision=DOT_PREC)
-    if NORMALIZE:
-        den = tl.sum(fq * zt[None, :], 1)
-    if CAUSAL:
-        mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
-        hk = h // HKV_GROUP
-        fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
-        vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
-        a = tl.dot(fq.to(vv.dtype), tl.trans(fk.to(vv.dtype)), input_precision=DOT_PREC)
-        a = tl.where(j[:, None] >= j[None, :], a, 0.0) * mii
-        num += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
+        n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+        fq, _ = _load_phi(qp, n, valid, sqn, d, dm, PHI)
+        fq = fq * scale
+        num = tl.dot(fq.to(dt), st, input_precision=DOT_PREC)
         if NORMALIZE:
-            den += tl.sum(a, 1)
-    if NORMALIZE:
-        num = num / (den + eps)[:, None]
-    out = O + b * sob + h * soh + n[:, None] * son + e[None, :]
-    tl.store(out, num.to(O.dtype.element_ty), mask=valid[:, None] & em[None, :])
+            den = tl.sum(fq * zt[None, :], 1)
+        if BDVH:
+            num_h = tl.dot(fq.to(dt), st_lh, input_precision=DOT_PREC)
+        if BDH:
+            fq_h, _ = _load_phi(qp, n, valid, sqn, dh, dhm, PHI)
+            fq_h = fq_h * scale
+            num += tl.dot(fq_h.to(dt), st_hl, input_precision=DOT_PREC)
+            if NORMALIZE:
+                den += tl.sum(fq_h * zt_h[None, :], 1)
+            if BDVH:
+                num_h += tl.dot(fq_h.to(dt), st_hh, input_precision=DOT_PREC)
+        if CAUSAL:
+            mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+            hk = h // HKV_GROUP
+            fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+            vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
+            a = tl.dot(fq.to(vv.dtype), tl.trans(fk.to(vv.dtype)), input_precision=DOT_PREC)
+            a = tl.where(j[:, None] >= j[None, :], a, 0.0) * mii
+            num += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
+            if NORMALIZE:
+                den += tl.sum(a, 1)
+        if NORMALIZE:
+            num = num / (den + eps)[:, None]
+        tl.store(op + n[:, None] * son + e[None, :], num.to(O.dtype.element_ty), mask=valid[:, None] & em[None, :])
+        if BDVH:
+            if NORMALIZE:
+                num_h = num_h / (den + eps)[:, None]
+            tl.store(op + n[:, None] * son + eh[None, :], num_h.to(O.dtype.element_ty), mask=valid[:, None] & ehm[None, :])
 
 
 @triton.jit

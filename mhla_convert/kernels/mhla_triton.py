@@ -28,6 +28,7 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
@@ -68,6 +69,16 @@ def _cdiv(a: int, b: int) -> int:
 
 def _p2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
+
+
+def head_dim_parts(x: int) -> tuple[int, int]:
+    """Power-of-two column parts (first, second) that cover head dim x in the forward tiles:
+    (p2(x), 0) when x is a power of two or splitting saves nothing, else the largest power of two
+    below x and the rest rounded up: 72 → (64, 16) instead of 128 columns, 96 → (64, 32)."""
+    whole = _p2(x)
+    lo = whole // 2
+    hi = _p2(x - lo) if x > lo >= 16 else whole
+    return (lo, hi) if lo + hi < whole else (whole, 0)
 
 
 _SMS: dict = {}
@@ -199,6 +210,9 @@ def _fwd_kw(p: _Plan) -> dict:
         kw["num_stages"] = stages
     if tile is not None and not p.causal:
         kw["BT"] = min(tile, _p2(p.geometry["T"]))
+    (bd, bdh), (bdv, bdvh) = head_dim_parts(p.dim), head_dim_parts(p.dv)
+    if SPLIT_HEAD_DIMS and not p.causal and (bdh or bdvh):
+        kw.update(BD=bd, BDH=bdh, BDV=bdv, BDVH=bdvh)
     return kw
 
 
@@ -213,7 +227,7 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of the forward launches and the
     mixing GEMMs: grids, integer arguments, keyword arguments and their cache keys."""
-    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES, TILE_TOKENS)
+    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
         fwd = _fwd_kw(p)
