@@ -87,11 +87,7 @@ def main():
     ap.add_argument("--shapes", default="wan,dit,sana,causal")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--out", default="out/attention_op")
-    ap.add_argument("--fwd-configs", default=None, help="forward launch settings (kernel_breakdown.py --best)")
     args = ap.parse_args()
-    import _fwd_configs
-
-    _fwd_configs.load(args.fwd_configs)
     rows = []
     for family in args.shapes.split(","):
         heads, dim, sizes = SHAPES[family]

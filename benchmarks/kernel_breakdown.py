@@ -2,10 +2,11 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep [--best FILE.json] | --mix-sweep | --regs | --once SHAPE]
+    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep | --bwd-sweep | --mix-sweep | --regs | --once SHAPE]
 
---fwd-sweep times the forward per (warps, stages) setting of the summaries and readout
-launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim); --mix-sweep the mixing
+--fwd-sweep times the forward per (warps, stages, token tile) setting of the summaries and readout
+launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim), --bwd-sweep the backward per
+(warps, stages) of its two kernels (`BWD_CONFIGS`); --mix-sweep the mixing
 GEMM per tile shape (`MIX_TILES`); --regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
 """
 
@@ -27,7 +28,8 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False}), ("TILE_TOKENS", {"TILE_TOKENS": 128})]
+KNOBS = [("default", {}), ("MATMUL_MIX_MIN_BLOCKS", {"MATMUL_MIX_MIN_BLOCKS": 0}),
+         ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -51,38 +53,54 @@ def breakdown(heads, dim, layout, causal, backward=True):
         mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
         infer=t(lambda: MT._inference(plan, q, k, v, mixing)),
-        **(dict(bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True))) if backward else {}),
+        **(_bwd_times(t, plan, q, k, v, mixing, s, st, o, do) if backward else {}),
     )
 
 
-# forward launch shapes tried per shape (warps, stages, token tile), against FWD_CONFIGS = {} (plan warps,
-# default stages, TILE_TOKENS)
-FWD_SWEEP = [(4, None, None), (8, None, None), (8, None, 128), (4, None, 128), (8, 2, None), (8, 4, None), (4, 2, None)]
+def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
+    dq, dst = MT._bwd_queries(plan, q, k, v, o, do, st, mixing)
+    ds = MT._mix(plan, mixing, dst, torch.empty_like(s), transpose=True)
+    _, _, dmii = MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds)
+    return dict(
+        bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
+        bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing)),
+        bwd_mixT=t(lambda: MT._mix(plan, mixing, dst, ds, transpose=True)),
+        bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds)),
+        bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, dmii)),
+    )
 
 
-def fwd_sweep(best_path=None):
-    """Forward (summaries and whole forward) per FWD_CONFIGS entry, one shape at a time; with
-    best_path, writes per padded head dim the setting of least summed forward time over its shapes."""
-    print("| shape | (warps, stages, tile) | rel. err x1e3 | summaries | mix | fwd | infer | (ms) |")
+# launch settings tried per shape, against an empty FWD_CONFIGS / BWD_CONFIGS (the plan's warps, Triton's
+# default stages, TILE_TOKENS): forward (warps, stages, token tile), backward (warps, stages)
+SWEEPS = {
+    "fwd": ("FWD_CONFIGS", [(4, None, None), (8, None, None), (8, None, 128), (4, None, 128), (8, 2, None),
+                            (8, 4, None), (4, 2, None)]),
+    "bwd": ("BWD_CONFIGS", [(4, None), (8, None), (4, 2), (8, 2), (4, 3), (8, 1)]),
+}
+
+
+def config_sweep(kind):
+    """The forward (or backward) per launch setting, one shape at a time, and per head dim the setting
+    of least summed time over its shapes (each shape relative to the default)."""
+    attr, settings = SWEEPS[kind]
+    saved = getattr(MT, attr)
+    print(f"| shape | {attr} entry | " + " | ".join(breakdown_keys(kind)) + " | (ms) |")
     totals = {}
     for shape, (heads, dim, layout, causal) in SHAPES.items():
-        bd = dim  # settings are keyed on the head dims (D, Dv)
-        for cfg in [None, *FWD_SWEEP]:
-            MT.FWD_CONFIGS = {} if cfg is None else {(bd, bd): cfg}
-            r = breakdown(heads, dim, layout, causal, backward=False)
-            if cfg is None:
-                ref = r["fwd"]
-            totals.setdefault(bd, {}).setdefault(cfg, 0.0)
-            totals[bd][cfg] += r["fwd"] / ref  # each shape counts as its time relative to the default
+        for cfg in [None, *settings]:
+            setattr(MT, attr, {} if cfg is None else {(dim, dim): cfg})
+            r = breakdown(heads, dim, layout, causal, backward=kind == "bwd")
+            ref = r[kind] if cfg is None else ref
+            totals.setdefault(dim, {}).setdefault(cfg, 0.0)
+            totals[dim][cfg] += r[kind] / ref
             print(f"| {shape} | {cfg or 'default'} | " + " | ".join(f"{r[key]:.3f}" for key in r) + " |", flush=True)
-    MT.FWD_CONFIGS = {}
-    best = {bd: min(t, key=t.get) for bd, t in totals.items()}
-    print("best per head dim:", best)
-    if best_path:
-        import json
+    setattr(MT, attr, saved)
+    print("best per head dim:", {dim: min(t, key=t.get) for dim, t in totals.items()})
 
-        with open(best_path, "w") as f:
-            json.dump([[bd, bd, *(cfg or (None, None, None))] for bd, cfg in best.items()], f)
+
+def breakdown_keys(kind):
+    fwd = ["rel. err x1e3", "summaries", "mix", "fwd", "infer"]
+    return fwd + (["bwd", "bwd: queries", "mixT", "keys", "dmix"] if kind == "bwd" else [])
 
 
 MIX_SWEEP = [(32, 128, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8), (128, 64, 32, 4), (128, 256, 32, 8),
@@ -158,13 +176,11 @@ def main():
         if flag in sys.argv:
             return fn()
 
-    if "--fwd-sweep" in sys.argv:
-        saved = dict(MT.FWD_CONFIGS)
-        fwd_sweep(sys.argv[sys.argv.index("--best") + 1] if "--best" in sys.argv else None)
-        MT.FWD_CONFIGS = saved
-        return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS")}
-    print("| shape | setting | rel. err x1e3 | summaries | mix | fwd | infer | bwd | (ms) |")
+    for kind in SWEEPS:
+        if f"--{kind}-sweep" in sys.argv:
+            return config_sweep(kind)
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS")}
+    print("| shape | setting | " + " | ".join(breakdown_keys("bwd")) + " | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:
             for name, value in {**defaults, **change}.items():

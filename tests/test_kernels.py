@@ -220,10 +220,16 @@ def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("mix", ["triton", "matmul"])
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
 @pytest.mark.parametrize("name", list(CASES) + list(FAMILY_CASES))
-def test_cuda_forward_only(name, dtype):
+def test_cuda_forward_only(name, dtype, mix, monkeypatch):
+    """Both mixing paths of inference: the Triton GEMM and, for half inputs, torch.matmul."""
+    monkeypatch.setattr(mhla_triton, "MATMUL_MIX_MIN_BLOCKS", 0 if mix == "matmul" else 10**9)
+    used, real = [], mhla_triton._mix_matmul
+    monkeypatch.setattr(mhla_triton, "_mix_matmul", lambda *a: used.append(1) or real(*a))
     _compare_forward({**CASES, **FAMILY_CASES}[name], dtype, "cuda", TOL[dtype])
+    assert bool(used) == (mix == "matmul" and dtype != torch.float32)
 
 
 @pytest.mark.gpu

@@ -28,13 +28,16 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+BWD_CONFIGS: dict = {}  # (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, default)
+MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: M = 512 (causal 32k)
+# 0.62 -> 0.31 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
 SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
-# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.350 -> 0.295 ms with 4 warps and 2 stages, DiT (D = 72)
-# at 16,384 tokens 0.324 -> 0.235 ms with 128-token tiles.
-FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (8, None, 128), (64, 64): (4, 2)}  # keyed on (D, Dv)
+# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.350 -> 0.295 ms with 4 warps and 2 stages; DiT (D = 72,
+# split 64 + 16) at 16,384 tokens 0.279 -> 0.197 ms with 4 warps and 2 stages.
+FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -285,34 +288,71 @@ def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
     return out
 
 
+def _mix_matmul(p: _Plan, mixing, s):
+    """S̃ = mixing @ S through torch.matmul (cuBLAS) in S's dtype (per head: broadcast over the
+    query heads of each key head). For half-precision summaries and many blocks, where cuBLAS's
+    tiling beats `_mix_kernel` by 2x; the mixing weights are rounded to S's dtype."""
+    mix = mixing.to(s.dtype)
+    if p.causal:
+        mix = mix.tril(-1)
+    if not p.per_head:
+        return torch.matmul(mix, s)
+    g = p.mix_heads // p.kv_heads
+    return torch.matmul(mix.view(p.kv_heads, g, p.m, p.m), s.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
+
+
 def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
     s = _summaries(p, k, v, half_summaries)
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
+    if s.dtype == st_dtype != torch.float32 and p.m >= MATMUL_MIX_MIN_BLOCKS:
+        st = _mix_matmul(p, mixing, s)
+    else:
+        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
     _run(K._readout_kernel, _static(p, q.device)["readout"], (q, k, v, st, mixing, o))
     return s, st, o
 
 
-def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
-    dev, f32 = q.device, torch.float32
+def _bwd_kw(p: _Plan) -> dict:
+    """Launch settings of the two backward kernels per head dims (`BWD_CONFIGS`: warps, stages)."""
+    warps, stages = (*BWD_CONFIGS.get((p.dim, p.dv), ()), None, None)[:2]
+    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
+    if stages is not None:
+        kw["num_stages"] = stages
+    return kw
+
+
+def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing):
+    """dq, and dS̃ (float32) for the mixing GEMM and the mixing gradient."""
     nt = _cdiv(p.geometry["T"], p.bt)
-    splits, per = _split(nt, p.batch * p.mix_heads * p.m, _programs_wanted(dev))
-    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=dev, dtype=f32, zero=splits > 1)
-    dq = _new(*q.shape, device=dev, dtype=q.dtype)
+    splits, per = _split(nt, p.batch * p.mix_heads * p.m, _programs_wanted(q.device))
+    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=splits > 1)
+    dq = _new(*q.shape, device=q.device, dtype=q.dtype)
     K._bwd_query_kernel[(p.batch * p.mix_heads, p.m, splits)](
         q, k, v, o, do, st, mixing, dq, dst, *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
         p.heads, TILES_PER_PROG=per, NORMALIZE=p.normalize, CAUSAL=p.causal, ATOMIC=splits > 1,
-        DOT_PREC=p.prec, **p.heads_kw(), **p.tile_kw(),
+        DOT_PREC=p.prec, **p.heads_kw(), **_bwd_kw(p),
     )
-    ds = _mix(p, mixing, dst, _new(p.batch, p.kv_heads, p.m, p.cols, device=dev, dtype=f32), transpose=True)
+    return dq, dst
+
+
+def _bwd_keys(p: _Plan, q, k, v, o, do, st, mixing, ds):
+    """dk, dv from dS = mixingᵀ dS̃, and (causal) each head's ∂/∂m_ii."""
+    dev = q.device
     dk, dv = _new(*k.shape, device=dev, dtype=k.dtype), _new(*v.shape, device=dev, dtype=v.dtype)
-    dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=f32) if p.causal else dk
-    K._bwd_key_kernel[(p.batch * p.kv_heads, p.m, nt)](
+    dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=torch.float32) if p.causal else dk
+    K._bwd_key_kernel[(p.batch * p.kv_heads, p.m, _cdiv(p.geometry["T"], p.bt))](
         q, k, v, o, do, st, mixing, ds, dk, dv, dmii, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         *_strides(do), p.heads, p.kv_heads, NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec,
-        **p.heads_kw(), **p.tile_kw(),
+        **p.heads_kw(), **_bwd_kw(p),
     )
+    return dk, dv, dmii
+
+
+def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
+    dq, dst = _bwd_queries(p, q, k, v, o, do, st, mixing)
+    ds = _mix(p, mixing, dst, _new(p.batch, p.kv_heads, p.m, p.cols, device=q.device, dtype=torch.float32), transpose=True)
+    dk, dv, dmii = _bwd_keys(p, q, k, v, o, do, st, mixing, ds)
     dmix = _mixing_grad(p, dst, s, dmii).to(mixing.dtype) if need_mixing else None
     return dq, dk, dv, dmix
 
