@@ -41,12 +41,18 @@ def test_qk_norm_shapes(qk_norm):
     assert layer(torch.randn(2, 10, 32), grid=(10,)).shape == (2, 10, 32)
 
 
-def test_causal_layer_decodes_like_its_parallel_form():
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_causal_layer_decodes_like_its_parallel_form(backend):
+    """Prefill then token-by-token decode equals the parallel form; "triton" runs both the operator
+    and the recurrent step through the kernels (float32: exact dots)."""
     torch.manual_seed(0)
-    layer = MHLAttention(32, 4, num_kv_heads=2, config=MHLAConfig(causal=True, chunk_size=4, window=3, per_head_mixing=True))
+    device = "cuda" if backend == "triton" else "cpu"
+    config = MHLAConfig(causal=True, chunk_size=4, window=3, per_head_mixing=True, backend=backend)
+    layer = MHLAttention(32, 4, num_kv_heads=2, config=config).to(device)
     with torch.no_grad():
         layer.mixing.uniform_(0.1, 1.0)
-    x = torch.randn(2, 23, 32)
+    x = torch.randn(2, 23, 32, device=device)
     q, k, v = layer.project(x)
     ref = mhla_attention_reference(q, k, v, toeplitz_causal_mixing(layer.mixing, 6), causal=True, chunk_size=4)
     torch.testing.assert_close(layer(x), layer.output(ref), rtol=1e-5, atol=1e-5)
