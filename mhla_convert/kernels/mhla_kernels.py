@@ -1,8 +1,8 @@
 """Triton kernels for MHLA (the math is `ops.mhla`'s docstring; `ops.mhla.mhla_attention_torch`
 is the naive reference each kernel is tested against).
 
-Summaries live in one float32 row per (batch, head, block) of COLS = D·Dv + D columns: S_b row
-major, then z_b. That makes the mixing one plain GEMM over M for numerator and normaliser alike.
+Summaries live in one row per (batch, head, block) of COLS = D·Dv + D columns (float32; the input's
+half precision in inference): S_b row major, then z_b. That makes the mixing one plain GEMM over M for numerator and normaliser alike.
 
 Grid → block mapping is index arithmetic (`_rows`): every grid is seen as 3-D (T, H, W) with
 leading axes of length 1, block m covers the box of per-axis size s_a = ceil(L_a / b_a) at block

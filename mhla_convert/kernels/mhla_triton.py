@@ -5,6 +5,8 @@ Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: que
 → mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing. The float32 summaries
 and the mixed ones (in the input dtype for half inputs: they are a matmul operand, as in fla) are
 kept from forward to backward: (B·H·M·D·Dv) floats each, far below the activations for M ≪ N.
+Inference (no autograd) keeps nothing, writes the summaries in the input's half precision and,
+for many blocks, mixes them with torch.matmul.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
-BWD_CONFIGS: dict = {}  # (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, default)
-MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: M = 512 (causal 32k)
-# 0.62 -> 0.31 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
+# (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, Triton's default). Empty:
+# `kernel_breakdown.py --bwd-sweep` found nothing beyond noise (docs/benchmarks.md)
+BWD_CONFIGS: dict = {}
+MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: causal 32k (M = 512)
+# forward 0.755 -> 0.454 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
 SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
@@ -204,13 +208,19 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     )
 
 
+def _settings_kw(p: _Plan, warps=None, stages=None) -> dict:
+    """Tile keyword arguments with a launch setting's warps (default: the plan's) and stages."""
+    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
+    if stages is not None:
+        kw["num_stages"] = stages
+    return kw
+
+
 def _fwd_kw(p: _Plan) -> dict:
     """Keyword arguments of the summaries and readout launches (warps, stages and, non-causal, the
     token tile per head dims)."""
     warps, stages, tile = (*FWD_CONFIGS.get((p.dim, p.dv), ()), None, None, None)[:3]
-    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
-    if stages is not None:
-        kw["num_stages"] = stages
+    kw = _settings_kw(p, warps, stages)
     if tile is not None and not p.causal:
         kw["BT"] = min(tile, _p2(p.geometry["T"]))
     (bd, bdh), (bdv, bdvh) = head_dim_parts(p.dim), head_dim_parts(p.dv)
@@ -315,11 +325,7 @@ def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
 
 def _bwd_kw(p: _Plan) -> dict:
     """Launch settings of the two backward kernels per head dims (`BWD_CONFIGS`: warps, stages)."""
-    warps, stages = (*BWD_CONFIGS.get((p.dim, p.dv), ()), None, None)[:2]
-    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
-    if stages is not None:
-        kw["num_stages"] = stages
-    return kw
+    return _settings_kw(p, *BWD_CONFIGS.get((p.dim, p.dv), ()))
 
 
 def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing):
