@@ -40,7 +40,7 @@ def norm_rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return impl(x, cos, sin, head_dim=head_dim, norm=norm)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class InterleavedRotary:
     """Wan's RoPE as a layer's `rotary` callable, (q, k) → (q, k) on (B, N, H, D); `norm_rotate`
     also takes the q/k norm across heads, so a layer can do both in one pass per tensor."""
