@@ -148,10 +148,6 @@ def _new(*shape, device, dtype, zero: bool = False) -> torch.Tensor:
     return (torch.zeros if zero else torch.empty)(*shape, device=device, dtype=dtype)
 
 
-def _strides(x):
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
 @dataclass(frozen=True)
 class _Plan:
     """Everything the launches need that is fixed by the shapes and options."""
@@ -238,14 +234,15 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 
 
 def _static(p: _Plan, device):
-    """Per plan (and launch settings), everything but the tensors of the forward launches and the
-    mixing GEMMs: grids, integer arguments, keyword arguments and their cache keys."""
-    key = (id(p), device, FWD_CONFIGS.get((p.dim, p.dv)), PROGRAMS_PER_SM, MIX_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS)
+    """Per plan (and launch settings), everything but the tensors of every launch: grids, integer
+    arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
+    wanted = _programs_wanted(device)
+    key = (id(p), device, wanted, FWD_CONFIGS.get((p.dim, p.dv)), BWD_CONFIGS.get((p.dim, p.dv)), MIX_TILES,
+           TILE_TOKENS, SPLIT_HEAD_DIMS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
         fwd = _fwd_kw(p)
         nt = _cdiv(p.geometry["T"], fwd["BT"])
-        wanted = _programs_wanted(device)
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
@@ -253,10 +250,19 @@ def _static(p: _Plan, device):
         r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
         r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
                     **fwd)
-        hit = dict(plan=p, s_zero=s_splits > 1,
+        nt_b = _cdiv(p.geometry["T"], p.bt)  # the backward's token tile is the plan's
+        q_splits, q_per = _split(nt_b, p.batch * p.mix_heads * p.m, wanted)
+        bq_kw = dict(TILES_PER_PROG=q_per, NORMALIZE=p.normalize, CAUSAL=p.causal, ATOMIC=q_splits > 1, DOT_PREC=p.prec,
+                     **p.heads_kw(), **_bwd_kw(p))
+        bk_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, **p.heads_kw(), **_bwd_kw(p))
+        rows = (*qs, *ks, *vs, *os_, *os_)  # q, k, v, o and do (made contiguous)
+        hit = dict(plan=p, s_zero=s_splits > 1, dst_zero=q_splits > 1,
                    summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
                    readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True))
+                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True),
+                   bwd_queries=((p.batch * p.mix_heads, p.m, q_splits), (*rows, p.heads), bq_kw, tuple(bq_kw.items())),
+                   bwd_keys=((p.batch * p.kv_heads, p.m, nt_b), (*rows, p.heads, p.kv_heads), bk_kw, tuple(bk_kw.items())),
+                   dmix=_dmix_launch(p, wanted))
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
@@ -330,15 +336,10 @@ def _bwd_kw(p: _Plan) -> dict:
 
 def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing):
     """dq, and dS̃ (float32) for the mixing GEMM and the mixing gradient."""
-    nt = _cdiv(p.geometry["T"], p.bt)
-    splits, per = _split(nt, p.batch * p.mix_heads * p.m, _programs_wanted(q.device))
-    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=splits > 1)
+    f = _static(p, q.device)
+    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=f["dst_zero"])
     dq = _new(*q.shape, device=q.device, dtype=q.dtype)
-    K._bwd_query_kernel[(p.batch * p.mix_heads, p.m, splits)](
-        q, k, v, o, do, st, mixing, dq, dst, *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
-        p.heads, TILES_PER_PROG=per, NORMALIZE=p.normalize, CAUSAL=p.causal, ATOMIC=splits > 1,
-        DOT_PREC=p.prec, **p.heads_kw(), **_bwd_kw(p),
-    )
+    _run(K._bwd_query_kernel, f["bwd_queries"], (q, k, v, o, do, st, mixing, dq, dst))
     return dq, dst
 
 
@@ -347,15 +348,12 @@ def _bwd_keys(p: _Plan, q, k, v, o, do, st, mixing, ds):
     dev = q.device
     dk, dv = _new(*k.shape, device=dev, dtype=k.dtype), _new(*v.shape, device=dev, dtype=v.dtype)
     dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=torch.float32) if p.causal else dk
-    K._bwd_key_kernel[(p.batch * p.kv_heads, p.m, _cdiv(p.geometry["T"], p.bt))](
-        q, k, v, o, do, st, mixing, ds, dk, dv, dmii, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        *_strides(do), p.heads, p.kv_heads, NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec,
-        **p.heads_kw(), **_bwd_kw(p),
-    )
+    _run(K._bwd_key_kernel, _static(p, dev)["bwd_keys"], (q, k, v, o, do, st, mixing, ds, dk, dv, dmii))
     return dk, dv, dmii
 
 
 def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
+    """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's."""
     dq, dst = _bwd_queries(p, q, k, v, o, do, st, mixing)
     ds = _mix(p, mixing, dst, _new(p.batch, p.kv_heads, p.m, p.cols, device=q.device, dtype=torch.float32), transpose=True)
     dk, dv, dmii = _bwd_keys(p, q, k, v, o, do, st, mixing, ds)
@@ -363,18 +361,24 @@ def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     return dq, dk, dv, dmix
 
 
-def _mixing_grad(p: _Plan, dst, s, dmii):
+def _dmix_launch(p: _Plan, wanted: int):
+    """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
     bm = bn = 64 if p.m > 32 else 32
     bk = 32
     tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
-    splits = max(1, min(_cdiv(p.cols, bk), _cdiv(_programs_wanted(dst.device), p.batch * p.mix_heads * tiles)))
+    splits = max(1, min(_cdiv(p.cols, bk), _cdiv(wanted, p.batch * p.mix_heads * tiles)))
     split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
     splits = _cdiv(p.cols, split_cols)
-    part = _new(p.batch * p.mix_heads * splits, p.m, p.m, device=dst.device, dtype=torch.float32)
-    K._dmix_kernel[(part.shape[0], _cdiv(p.m, bm), _cdiv(p.m, bn))](
-        dst, s, part, p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols,
-        STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4,
-    )
+    kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4)
+    ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
+    return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw, tuple(kw.items())
+
+
+def _mixing_grad(p: _Plan, dst, s, dmii):
+    launch = _static(p, dst.device)["dmix"]
+    splits = launch[1][4]
+    part = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
+    _run(K._dmix_kernel, launch, (dst, s, part))
     dmix = part.view(p.batch, p.mix_heads, splits, p.m, p.m).sum((0, 2))  # (H_mix, M, M)
     if p.causal:
         dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.sum(0).view(p.mix_heads, -1, p.m).sum(1))
@@ -392,8 +396,7 @@ class MHLAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, mixing, s, st, o = ctx.saved_tensors
-        do = do if do.stride(-1) == 1 else do.contiguous()
-        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do, ctx.needs_input_grad[3])
+        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do.contiguous(), ctx.needs_input_grad[3])
         return dq, dk, dv, dmix, None
 
 
