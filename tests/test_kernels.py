@@ -413,6 +413,8 @@ def test_norm_rotate_needs_no_gradients_for_the_kernel():
     assert x.grad is not None and norm.weight.grad is not None
     with pytest.raises(ValueError, match="need gradients"):
         norm_rotate_interleaved(x, cos, sin, head_dim=12, norm=norm, backend="triton")
+    with pytest.raises(ValueError, match="head_dim must be even and divide"):
+        norm_rotate_interleaved(x, cos, sin, head_dim=10, norm=norm)
 
 
 @pytest.mark.gpu

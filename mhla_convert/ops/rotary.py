@@ -36,6 +36,8 @@ def norm_rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     """x (B, N, H·D) → (B, N, H, D): `norm` over the last dim (an `nn.RMSNorm`, or None), then
     `rotate_interleaved` by cos/sin of shape (1 or B, N, 1, D). `backend="auto"` fuses both into one
     pass on CUDA when no gradient is needed; training keeps the torch path."""
+    if head_dim % 2 or x.shape[-1] % head_dim:
+        raise ValueError(f"head_dim must be even and divide x's last dim ({x.shape[-1]}); got {head_dim}")
     impl = select("rotary", backend, norm_rotate_torch, x, cos, sin, head_dim=head_dim, norm=norm)
     return impl(x, cos, sin, head_dim=head_dim, norm=norm)
 
