@@ -18,6 +18,7 @@ from triton.testing import do_bench
 
 from mhla_convert.kernels import mhla_triton as MT
 from mhla_convert.ops import BlockLayout
+from mhla_convert.ops.mhla import mhla_attention_torch
 from mhla_convert.ops.feature_maps import resolve_feature_map
 
 SHAPES = {  # name -> (H, D, layout, causal)
@@ -37,14 +38,12 @@ def breakdown(heads, dim, layout, causal, backward=True):
     q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     m = layout.num_blocks
     mixing = torch.rand(m, m, device="cuda")
-    plan_phi = resolve_feature_map("relu")
-    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=plan_phi, normalize=True, scale=dim**-0.5, eps=1e-6)
+    phi = resolve_feature_map("relu")
+    plan = MT._plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=True, scale=dim**-0.5, eps=1e-6)
     s, st, o = MT._forward(plan, q, k, v, mixing)
     do = torch.randn_like(o)
     t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
-    from mhla_convert.ops.mhla import mhla_attention_torch
-
-    want = mhla_attention_torch(q.float(), k.float(), v.float(), mixing, layout, causal=causal, phi=plan_phi,
+    want = mhla_attention_torch(q.float(), k.float(), v.float(), mixing, layout, causal=causal, phi=phi,
                                 normalize=True, scale=dim**-0.5, eps=1e-6)
     err = ((MT._inference(plan, q, k, v, mixing).float() - want).norm() / want.norm()).item()
     return dict(
