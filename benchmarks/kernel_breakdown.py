@@ -4,10 +4,11 @@ per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed
 
     python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep | --bwd-sweep | --mix-sweep | --regs | --once SHAPE]
 
---fwd-sweep times the forward per (warps, stages, token tile) setting of the summaries and readout
-launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim), --bwd-sweep the backward per
-(warps, stages) of its two kernels (`BWD_CONFIGS`); --mix-sweep the mixing
-GEMM per tile shape (`MIX_TILES`); --regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
+--fwd-sweep times the forward per (warps, stages, token tile) setting of the summaries
+and readout launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim), --bwd-sweep the
+backward per (warps, stages) of its two kernels (`BWD_CONFIGS`); --mix-sweep the mixing GEMM per
+launch shape of half summaries (`MIX_SWEEP`, and the row-tiled `MIX_TILES` kernel);
+--regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
 """
 
 from __future__ import annotations
@@ -46,12 +47,17 @@ def breakdown(heads, dim, layout, causal, backward=True):
     want = mhla_attention_torch(q.float(), k.float(), v.float(), mixing, layout, causal=causal, phi=phi,
                                 normalize=True, scale=dim**-0.5, eps=1e-6)
     err = ((MT._inference(plan, q, k, v, mixing).float() - want).norm() / want.norm()).item()
+    s_half = MT._summaries(plan, k, v, half=True)
+    readout = MT._static(plan, q.device)["readout"]
     return dict(
         err_x1e3=err * 1e3,
         summaries=t(lambda: MT._summaries(plan, k, v)),
         mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
         infer=t(lambda: MT._inference(plan, q, k, v, mixing)),
+        infer_summaries=t(lambda: MT._summaries(plan, k, v, half=True)),
+        infer_mix=t(lambda: MT._mix(plan, mixing, s_half, st, transpose=False)),
+        readout=t(lambda: MT._run(MT.K._readout_kernel, readout, (q, k, v, st, mixing, o))),
         **(_bwd_times(t, plan, q, k, v, mixing, s, st, o, do) if backward else {}),
     )
 
@@ -72,8 +78,7 @@ def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
 # launch settings tried per shape, against an empty FWD_CONFIGS / BWD_CONFIGS (the plan's warps, Triton's
 # default stages, TILE_TOKENS): forward (warps, stages, token tile), backward (warps, stages)
 SWEEPS = {
-    "fwd": ("FWD_CONFIGS", [(4, None, None), (8, None, None), (8, None, 128), (4, None, 128), (8, 2, None),
-                            (8, 4, None), (4, 2, None)]),
+    "fwd": ("FWD_CONFIGS", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 2, 128), (4, 2, 32)]),
     "bwd": ("BWD_CONFIGS", [(4, None), (8, None), (4, 2), (8, 2), (4, 3), (8, 1)]),
 }
 
@@ -98,12 +103,13 @@ def config_sweep(kind):
 
 
 def breakdown_keys(kind):
-    fwd = ["rel. err x1e3", "summaries", "mix", "fwd", "infer"]
+    fwd = ["rel. err x1e3", "summaries", "mix", "fwd", "infer", "infer: summaries", "infer: mix", "readout"]
     return fwd + (["bwd", "bwd: queries", "mixT", "keys", "dmix"] if kind == "bwd" else [])
 
 
-MIX_SWEEP = [(32, 128, 32, 4), (64, 128, 32, 4), (128, 128, 32, 8), (128, 64, 32, 4), (128, 256, 32, 8),
-             (128, 128, 64, 8), (64, 256, 32, 8)]
+# (BN, warps, stages, programs per SM) of the one-tile mixing kernel of half summaries (inference)
+MIX_SWEEP = [(128, 8, 2, 4), (128, 8, 2, 1), (128, 8, 2, 2), (128, 8, 3, 1), (64, 4, 3, 2), (64, 4, 4, 1),
+             (64, 8, 3, 2), (64, 4, 2, 4), (32, 4, 4, 2), (256, 8, 2, 1)]
 
 
 def _inputs(heads, dim, layout, causal):
@@ -115,26 +121,27 @@ def _inputs(heads, dim, layout, causal):
 
 
 def mix_sweep():
-    """The mixing GEMM (forward, and transposed as in the backward) per MIX_TILES setting."""
-    saved = MT.MIX_TILES
-    print("| shape | MIX_TILES (BM, BN, BK, warps) | mix fwd (half summaries) | mixT bwd | (ms) |")
+    """The mixing GEMM of half summaries (inference) per one-tile launch shape (`MIX_SWEEP`), and
+    through the row-tiled kernel (which the transposed mixing of the backward always takes)."""
+    saved = MT.MIX_SWEEP
+    print("| shape | (BN, warps, stages, programs per SM) | mix fwd (half summaries) | mixT bwd | (ms) |")
     for shape, args in SHAPES.items():
         plan, q, k, v, mixing = _inputs(*args)
         s, st, _ = MT._forward(plan, q, k, v, mixing)
         s_half = MT._forward(plan, q, k, v, mixing, half_summaries=True)[0]  # what inference mixes
         ds = torch.empty_like(s)
-        for tiles in MIX_SWEEP:
-            MT.MIX_TILES = tiles
+        for tiles in [*MIX_SWEEP, "row-tiled"]:
+            MT.MIX_SWEEP = {} if tiles == "row-tiled" else {MT._p2(plan.m): tiles}
             t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
             fwd = t(lambda: MT._mix(plan, mixing, s_half, st, transpose=False))
             bwd = t(lambda: MT._mix(plan, mixing, s, ds, transpose=True))
             print(f"| {shape} | {tiles} | {fwd:.4f} | {bwd:.4f} |", flush=True)
-    MT.MIX_TILES = saved
+    MT.MIX_SWEEP = saved
 
 
 def _compiled():
     out = {}
-    for fn in (MT.K._summaries_kernel, MT.K._mix_kernel, MT.K._readout_kernel,
+    for fn in (MT.K._summaries_kernel, MT.K._mix_kernel, MT.K._mix_sweep_kernel, MT.K._readout_kernel,
                MT.K._bwd_query_kernel, MT.K._bwd_key_kernel, MT.K._dmix_kernel):
         for cache in fn.device_caches.values():
             for key, kernel in cache[0].items():
@@ -166,10 +173,10 @@ def main():
             if name not in keep:
                 del SHAPES[name]
 
-    if "--once" in sys.argv:  # three forwards of one shape, nothing else (for `ncu`)
+    if "--once" in sys.argv:  # three inference forwards of one shape, nothing else (for `ncu`)
         plan, q, k, v, mixing = _inputs(*SHAPES[sys.argv[sys.argv.index("--once") + 1]])
         for _ in range(3):
-            MT._forward(plan, q, k, v, mixing)
+            MT._inference(plan, q, k, v, mixing)
         return torch.cuda.synchronize()
     for flag, fn in (("--mix-sweep", mix_sweep), ("--regs", regs)):
         if flag in sys.argv:

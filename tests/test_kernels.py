@@ -157,6 +157,43 @@ def test_interpreter_forward_only(name):
     _compare_forward(CASES[name], torch.float32, "cpu", 1e-5)
 
 
+@interp
+@pytest.mark.parametrize("name", ["2d-odd-grid", "causal-per-head-elu-unnorm", "split-head-dims-gqa"])
+def test_interpreter_tiled_mixing(name, monkeypatch):
+    """The mixing GEMM tiled over rows and K (what a block count outside MIX_SWEEP takes), forward and transposed."""
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {})
+    _compare(CASES[name], torch.float32, "cpu", 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sweep", [True, False], ids=["sweep", "tiled"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, monkeypatch):
+    """Half summaries times float32 mixing weights: the product must keep the weights' precision (the
+    sweep kernel splits them into hi + lo half parts), so half-exact inputs give float32-exact sums."""
+    if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
+        pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {16: (16, 4, 2, 4)} if sweep else {})  # (M = 7: one tile of 16 rows)
+    launched, real_run = [], mhla_triton._run
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, *a: launched.append(fn) or real_run(fn, *a))
+    device = "cuda" if CUDA else "cpu"
+    torch.manual_seed(0)
+    m, heads, dim = 7, 2, 16
+    layout = BlockLayout.chunked(m * 4, 4) if causal else BlockLayout.create((m,), (m,))
+    q = torch.empty(1, m * 4 if causal else m, heads, dim, device=device, dtype=dtype)
+    mixing = torch.rand(heads, m, m, device=device) + 1e-3  # many more than 8 significant bits
+    plan = mhla_triton._plan(q, q, q, mixing, layout, causal=causal, phi=resolve_feature_map("relu"), normalize=True,
+                             scale=1.0, eps=1e-6)
+    s = torch.randn(1, heads, m, plan.cols, device=device).to(dtype)
+    out = torch.full((1, heads, m, plan.cols), float("nan"), device=device)
+    mhla_triton._mix(plan, mixing, s, out, transpose=False)
+    assert launched == [mhla_triton.K._mix_sweep_kernel if sweep else mhla_triton.K._mix_kernel]
+    w = mixing.tril(-1) if causal else mixing
+    want = w @ s.float()
+    err = ((out - want).norm() / want.norm()).item()
+    assert err < 2e-5, f"relative error {err:.1e}: the weights were rounded to half precision"
+
+
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
 def test_interpreter_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -191,6 +228,7 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # half: 
 FAMILY_CASES = {
     "wan-d128": ((6, 10, 12), (3, 3, 4), None, False, 4, 4, 128, 128, False, True, "relu"),
     "dit-d72": ((32, 32), (4, 4), None, False, 4, 4, 72, 72, True, True, "relu"),
+    "wan-blocks-105": ((21, 10, 10), (7, 3, 5), None, False, 2, 2, 128, 128, False, True, "relu"),  # one 128-row mixing tile
     "sana-d32-unnorm": ((33, 31), (4, 4), None, False, 6, 6, 32, 32, False, False, "relu"),
     "llm-d64-causal-gqa": ((1000,), None, 64, True, 8, 2, 64, 64, False, False, "relu"),
     "llm-d64-causal-per-head-elu": ((777,), None, 64, True, 4, 4, 64, 64, True, True, "elu"),

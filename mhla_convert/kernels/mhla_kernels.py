@@ -61,7 +61,7 @@ def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
 
 @triton.jit
 def _summaries_kernel(
-    K, V, S, skb, skn, skh, svb, svn, svh, HKV, M, COLS: tl.constexpr,
+    K, V, S, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HKV, M, COLS: tl.constexpr,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
@@ -130,6 +130,19 @@ def _put(ptr, value, mask, ATOMIC: tl.constexpr):
 
 
 @triton.jit
+def _mix_dot(a, x, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ x for float32 mixing weights a. Half x stays half: a goes in two half-precision parts
+    (hi + lo), so the product keeps a's float32 precision on the half-precision tensor cores, and x
+    is not widened to float32 (which doubles its shared-memory tiles)."""
+    if x.dtype == tl.float32:
+        acc = tl.dot(a, x, acc, input_precision=DOT_PREC)
+    else:
+        a_hi = a.to(x.dtype)
+        acc = tl.dot((a - a_hi.to(tl.float32)).to(x.dtype), x, tl.dot(a_hi, x, acc))
+    return acc
+
+
+@triton.jit
 def _mix_kernel(
     A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -164,14 +177,41 @@ def _mix_kernel(
                     amask = amask & (kk[None, :] > i[:, None])
                 a = tl.load(ap + i[:, None] * a_si + kk[None, :] * a_sk, mask=amask, other=0.0).to(tl.float32)
                 x = tl.load(xp + kk[:, None] * COLS + c[None, :], mask=(kk < M)[:, None] & (c < COLS)[None, :], other=0.0)
-                acc += tl.dot(a, x.to(tl.float32), input_precision=DOT_PREC)
+                acc = _mix_dot(a, x, acc, DOT_PREC)
     out = OUT + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=(i < M)[:, None] & (c < COLS)[None, :])
 
 
 @triton.jit
+def _mix_sweep_kernel(
+    A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
+    MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, COL_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """OUT[b, o] = A_o @ X[b, o // GX] when all M ≤ BM blocks fit one tile (`_mix_kernel` with R = 1):
+    A_o is loaded once and the program sweeps COL_TILES column tiles, so each summary column is read
+    once and nothing is re-read per row tile."""
+    bo, pc = tl.program_id(0), tl.program_id(1)
+    b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
+    i = tl.arange(0, BM)
+    amask = (i < M)[:, None] & (i < M)[None, :]
+    if MASK == 1:
+        amask = amask & (i[None, :] < i[:, None])
+    if MASK == 2:
+        amask = amask & (i[None, :] > i[:, None])
+    a = tl.load(A + o * a_sh + i[:, None] * a_si + i[None, :] * a_sk, mask=amask, other=0.0).to(tl.float32)
+    xp = X + b * x_sb + (o // GX) * x_sh
+    op = OUT + b * o_sb + o * o_sh
+    for t in range(COL_TILES):
+        c = (pc * COL_TILES + t) * BN + tl.arange(0, BN)
+        mask = (i < M)[:, None] & (c < COLS)[None, :]
+        x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0)
+        acc = _mix_dot(a, x, tl.zeros((BM, BN), tl.float32), DOT_PREC)
+        tl.store(op + i[:, None] * COLS + c[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _readout_kernel(
-    Q, K, V, ST, MIX, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh,
+    Q, K, V, ST, MIX, O, sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr,
     H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
@@ -243,7 +283,7 @@ def _readout_kernel(
 @triton.jit
 def _bwd_query_kernel(
     Q, K, V, O, DO, ST, MIX, DQ, DST,
-    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
+    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
     H, HKV_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
@@ -318,7 +358,7 @@ def _bwd_query_kernel(
 @triton.jit
 def _bwd_key_kernel(
     Q, K, V, O, DO, ST, MIX, DS, DK, DVV, DMII,
-    sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, sob, son, soh, sdb, sdn, sdh,
+    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
     H, HKV, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,

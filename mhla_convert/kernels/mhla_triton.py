@@ -30,6 +30,12 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+# the mixing GEMM of half-precision summaries (inference) when all M blocks fit one tile of BM = p2(M) rows
+# (`_mix_sweep_kernel`): BM -> (BN, warps, stages, programs per SM), from `kernel_breakdown.py --mix-sweep`
+# (Wan, M = 105: 0.093 ms row-tiled -> 0.036; DiT/SANA 16k, M = 64: 0.015 -> 0.014). Other BM (row-tiled
+# was as fast at M = 16), and float32 summaries and dS̃ (the tf32 tiles of their column-major operand load
+# 4 bytes at a time: slower in one tile), take `_mix_kernel` with MIX_TILES
+MIX_SWEEP: dict = {128: (128, 8, 3, 1), 64: (64, 4, 3, 2)}
 # (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, Triton's default). Empty:
 # `kernel_breakdown.py --bwd-sweep` found nothing beyond noise (docs/benchmarks.md)
 BWD_CONFIGS: dict = {}
@@ -39,9 +45,9 @@ SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in t
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
-# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.350 -> 0.295 ms with 4 warps and 2 stages; DiT (D = 72,
-# split 64 + 16) at 16,384 tokens 0.279 -> 0.197 ms with 4 warps and 2 stages.
-FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
+# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
+# split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms; SANA (D = 32) 0.133 -> 0.127 with 3 stages.
+FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2), (32, 32): (4, 3)}  # keyed on (D, Dv)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -238,7 +244,7 @@ def _static(p: _Plan, device):
     arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
     wanted = _programs_wanted(device)
     key = (id(p), device, wanted, FWD_CONFIGS.get((p.dim, p.dv)), BWD_CONFIGS.get((p.dim, p.dv)), MIX_TILES,
-           TILE_TOKENS, SPLIT_HEAD_DIMS)
+           tuple(MIX_SWEEP.items()), TILE_TOKENS, SPLIT_HEAD_DIMS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
         fwd = _fwd_kw(p)
@@ -259,7 +265,8 @@ def _static(p: _Plan, device):
         hit = dict(plan=p, s_zero=s_splits > 1, dst_zero=q_splits > 1,
                    summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
                    readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   mix=_mix_launch(p, transpose=False), mix_t=_mix_launch(p, transpose=True),
+                   mix=_mix_launch(p, wanted, transpose=False, half=False), mix_t=_mix_launch(p, wanted, transpose=True, half=False),
+                   mix_half=_mix_launch(p, wanted, transpose=False, half=True),
                    bwd_queries=((p.batch * p.mix_heads, p.m, q_splits), (*rows, p.heads), bq_kw, tuple(bq_kw.items())),
                    bwd_keys=((p.batch * p.kv_heads, p.m, nt_b), (*rows, p.heads, p.kv_heads), bk_kw, tuple(bk_kw.items())),
                    dmix=_dmix_launch(p, wanted))
@@ -269,18 +276,27 @@ def _static(p: _Plan, device):
     return hit
 
 
-def _mix_launch(p: _Plan, *, transpose: bool):
-    """Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)]. Transposed: out[b, hk] = Σ over
-    the mixing heads of key head hk of mixᵀ @ dS̃. (All summaries are contiguous (B, H, M, COLS).)"""
+def _mix_launch(p: _Plan, wanted: int, *, transpose: bool, half: bool):
+    """(kernel, launch) of the mixing GEMM. Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
+    Transposed: out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃. (All summaries are
+    contiguous (B, H, M, COLS).) `half`: S in half precision (inference)."""
     m, cols = p.m, p.cols
     if transpose:
         h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
     else:
         h_in, h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
+    strides = (h_in * m * cols, m * cols, h_out * m * cols, m * cols)
+    mask = mask if p.causal else 0
+    if half and r == 1 and _p2(m) in MIX_SWEEP:
+        bn, warps, stages, per_sm = MIX_SWEEP[_p2(m)]
+        splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, wanted * per_sm // PROGRAMS_PER_SM))
+        kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, num_warps=warps, num_stages=stages)
+        return K._mix_sweep_kernel, ((p.batch * h_out, splits), (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides), kw,
+                                     tuple(kw.items()))
     bm, bn, bk, warps = MIX_TILES
-    kw = dict(M=m, R=r, MASK=mask if p.causal else 0, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps)
-    ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, h_in * m * cols, m * cols, h_out * m * cols, m * cols)
-    return (p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items())
+    kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps)
+    ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides)
+    return K._mix_kernel, ((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items()))
 
 
 def _run(fn, launch, tensors):
@@ -300,7 +316,9 @@ def _summaries(p: _Plan, k, v, half: bool = False):
 
 
 def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
-    _run(K._mix_kernel, _static(p, x.device)["mix_t" if transpose else "mix"], (mixing, x, out))
+    name = "mix_t" if transpose else "mix_half" if x.dtype != torch.float32 else "mix"
+    fn, launch = _static(p, x.device)[name]
+    _run(fn, launch, (mixing, x, out))
     return out
 
 
