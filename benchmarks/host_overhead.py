@@ -39,3 +39,24 @@ for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), (
         torch.cuda.synchronize()
         print(f"{name}: MHLA host {host:.4f} ms/call, do_bench {do_bench(run, return_mode='median'):.4f} ms; "
               f"SDPA host {sdpa_host:.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}", flush=True)
+
+if __name__ == "__main__" and "--profile" in __import__("sys").argv:  # where the host time of dit-1024 goes
+    import cProfile
+    import pstats
+
+    q, k, v = (torch.randn(1, 1024, 16, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mixing = locality_mixing((4, 4)).cuda().requires_grad_()
+    fwd = lambda: mhla_attention(q, k, v, mixing, grid=(32, 32), blocks=(4, 4), backend="triton")  # noqa: E731
+    for label, fn, calls in (("forward, no grad", lambda: torch.no_grad()(fwd)(), 2000),
+                             ("forward + backward", lambda: fwd().sum().backward(), 500)):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- {label}: {calls} calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)

@@ -228,8 +228,8 @@ def _readout_kernel(
     sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
     st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
     dt = st.dtype
-    if NORMALIZE:
-        zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+    if NORMALIZE:  # z̃ as 16 equal columns: φ(q)·z̃ is then a tile product, like the numerator
+        zt = tl.broadcast_to(tl.load(sp + D * DV + d, mask=dm, other=0.0)[:, None], (BD, 16))
     if BDVH:
         eh = BDV + tl.arange(0, BDVH)
         ehm = eh < DV
@@ -239,7 +239,7 @@ def _readout_kernel(
         dhm = dh < D
         st_hl = tl.load(sp + dh[:, None] * DV + e[None, :], mask=dhm[:, None] & em[None, :], other=0.0)
         if NORMALIZE:
-            zt_h = tl.load(sp + D * DV + dh, mask=dhm, other=0.0).to(tl.float32)
+            zt_h = tl.broadcast_to(tl.load(sp + D * DV + dh, mask=dhm, other=0.0)[:, None], (BDH, 16))
         if BDVH:
             st_hh = tl.load(sp + dh[:, None] * DV + eh[None, :], mask=dhm[:, None] & ehm[None, :], other=0.0)
     qp, op = Q + b * sqb + h * sqh, O + b * sob + h * soh
@@ -250,7 +250,7 @@ def _readout_kernel(
         fq = fq * scale
         num = tl.dot(fq.to(dt), st, input_precision=DOT_PREC)
         if NORMALIZE:
-            den = tl.sum(fq * zt[None, :], 1)
+            den = tl.dot(fq.to(dt), zt, input_precision=DOT_PREC)
         if BDVH:
             num_h = tl.dot(fq.to(dt), st_lh, input_precision=DOT_PREC)
         if BDH:
@@ -258,7 +258,7 @@ def _readout_kernel(
             fq_h = fq_h * scale
             num += tl.dot(fq_h.to(dt), st_hl, input_precision=DOT_PREC)
             if NORMALIZE:
-                den += tl.sum(fq_h * zt_h[None, :], 1)
+                den += tl.dot(fq_h.to(dt), zt_h, input_precision=DOT_PREC)
             if BDVH:
                 num_h += tl.dot(fq_h.to(dt), st_hh, input_precision=DOT_PREC)
         if CAUSAL:
@@ -270,8 +270,9 @@ def _readout_kernel(
             a = tl.where(j[:, None] >= j[None, :], a, 0.0) * mii
             num += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
             if NORMALIZE:
-                den += tl.sum(a, 1)
+                den += tl.sum(a, 1)[:, None]
         if NORMALIZE:
+            den = tl.max(den, 1)  # (the 16 columns are equal)
             num = num / (den + eps)[:, None]
         tl.store(op + n[:, None] * son + e[None, :], num.to(O.dtype.element_ty), mask=valid[:, None] & em[None, :])
         if BDVH:

@@ -110,14 +110,16 @@ def _programs_wanted(device) -> int:
 _LAUNCHERS: dict = {}
 
 
-def _launch(fn, grid, args, kw, kw_key=None):
+def _launch(fn, grid, args, kw, kw_key=None, key=None):
     """fn[grid](*args, **kw). On CUDA the compiled kernel is kept per (fn, grid, scalar args, tensor
     dtypes and 16-byte alignment) and launched directly afterwards, which skips Triton's argument
-    binding and cache-key hashing (most of the host time of a small forward)."""
+    binding and cache-key hashing (most of the host time of a small forward). `key`: that key, when
+    the caller has it cheaper."""
     if interpreting():
         return fn[grid](*args, **kw)
-    key = (fn, grid, kw_key or tuple(kw.items()),
-           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+    if key is None:
+        key = (fn, grid, kw_key or tuple(kw.items()),
+               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
     hit = _LAUNCHERS.get(key)
     if hit is None:
         kernel = fn[grid](*args, **kw)
@@ -137,7 +139,8 @@ def _launch(fn, grid, args, kw, kw_key=None):
         return fn[grid](*args, **kw)
     kernel, tail = hit
     g = grid + (1,) * (3 - len(grid))
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # (what Triton's launcher asks:
+    # torch.cuda.current_stream() took 40% of the host time of a launch)
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
     return kernel
 
@@ -300,24 +303,27 @@ def _mix_launch(p: _Plan, wanted: int, *, transpose: bool, half: bool):
 
 
 def _run(fn, launch, tensors):
-    grid, ints, kw, key = launch
-    _launch(fn, grid, (*tensors, *ints), kw, key)
+    """One of `_static`'s launches: tensors first, then the launch's integer arguments."""
+    grid, ints, kw, kw_key = launch
+    key = None if interpreting() else (fn, grid, kw_key, ints, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    _launch(fn, grid, (*tensors, *ints), kw, kw_key, key)
 
 
-def _summaries(p: _Plan, k, v, half: bool = False):
+def _summaries(p: _Plan, k, v, half: bool = False, f=None):
     """Block summaries, float32; `half`: in k's dtype when that is half precision (and the launch
     is not split over programs, which adds up float32 partials), which halves the bytes written
-    here and read by the mixing GEMM: inference only, as the mixing gradient reads them too."""
-    f = _static(p, k.device)
+    here and read by the mixing GEMM: inference only, as the mixing gradient reads them too.
+    `f`: `_static(p, k.device)` when the caller has it."""
+    f = f or _static(p, k.device)
     half = half and not f["s_zero"] and k.dtype != torch.float32
     s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype if half else torch.float32, zero=f["s_zero"])
     _run(K._summaries_kernel, f["summaries"], (k, v, s))
     return s
 
 
-def _mix(p: _Plan, mixing, x, out, *, transpose: bool):
+def _mix(p: _Plan, mixing, x, out, *, transpose: bool, f=None):
     name = "mix_t" if transpose else "mix_half" if x.dtype != torch.float32 else "mix"
-    fn, launch = _static(p, x.device)[name]
+    fn, launch = (f or _static(p, x.device))[name]
     _run(fn, launch, (mixing, x, out))
     return out
 
@@ -336,14 +342,15 @@ def _mix_matmul(p: _Plan, mixing, s):
 
 
 def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
-    s = _summaries(p, k, v, half_summaries)
+    f = _static(p, q.device)
+    s = _summaries(p, k, v, half_summaries, f)
     st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
     if s.dtype == st_dtype != torch.float32 and p.m >= MATMUL_MIX_MIN_BLOCKS:
         st = _mix_matmul(p, mixing, s)
     else:
-        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False)
+        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False, f=f)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
-    _run(K._readout_kernel, _static(p, q.device)["readout"], (q, k, v, st, mixing, o))
+    _run(K._readout_kernel, f["readout"], (q, k, v, st, mixing, o))
     return s, st, o
 
 
