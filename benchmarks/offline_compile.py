@@ -3,7 +3,7 @@ launch of the target shapes costs in resources: registers and stack per thread, 
 its global loads and stores are issued (`ld.global.v4` = 16 bytes at a time, `ld.global.b16` = one
 half-precision value, `cp.async` = pipelined copies into shared memory).
 
-    python benchmarks/offline_compile.py [--shapes wan-31500,dit-16384]
+    python benchmarks/offline_compile.py [--shapes wan-31500,dit-16384]   (the shapes of kernel_breakdown.py)
 
 Why: register pressure (programs per SM) and scalar loads were behind most of the kernels' slow
 launches, and both show here without spending GPU time. The launch arguments are the library's own
@@ -24,17 +24,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernel_breakdown import SHAPES  # (benchmarks/ is the script's directory, so on sys.path)
 from mhla_convert.kernels import mhla_triton as MT
-from mhla_convert.ops import BlockLayout
 from mhla_convert.ops.feature_maps import resolve_feature_map
 
-SHAPES = {  # name -> (H, D, layout, causal), as benchmarks/kernel_breakdown.py
-    "dit-1024": (16, 72, BlockLayout.create((32, 32), (4, 4)), False),
-    "wan-31500": (12, 128, BlockLayout.create((21, 30, 50), (7, 3, 5)), False),
-    "dit-16384": (16, 72, BlockLayout.create((128, 128), (8, 8)), False),
-    "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
-    "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
-}
 H200_SMS = 132
 # launch name -> pointer types of its tensors, in order (bf16 inputs; summaries as `_forward` writes them)
 POINTERS = {

@@ -48,8 +48,8 @@ PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many progr
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
 # --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
-# split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms; SANA (D = 32) 0.133 -> 0.127 with 3 stages.
-FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2), (32, 32): (4, 3)}  # keyed on (D, Dv)
+# split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms. SANA (D = 32) is best at the default (4 warps, 3 stages).
+FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -141,8 +141,8 @@ def _launch(fn, grid, args, kw, kw_key=None, key=None):
         return fn[grid](*args, **kw)
     kernel, tail = hit
     g = grid + (1,) * (3 - len(grid))
-    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())  # (what Triton's launcher asks:
-    # torch.cuda.current_stream() took 40% of the host time of a launch)
+    # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() was 40% of a launch's host time
+    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
     kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
     return kernel
 
