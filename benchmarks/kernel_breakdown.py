@@ -2,12 +2,14 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep | --bwd-sweep | --mix-sweep | --regs | --once SHAPE]
+    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep | --bwd-sweep | --summaries-sweep |
+                                           --readout-sweep | --mix-sweep | --regs | --once SHAPE]
 
 --fwd-sweep times the forward per (warps, stages, token tile) setting of the summaries
 and readout launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim), --bwd-sweep the
-backward per (warps, stages) of its two kernels (`BWD_CONFIGS`); --mix-sweep the mixing GEMM per
-launch shape of half summaries (`MIX_SWEEP`, and the row-tiled `MIX_TILES` kernel);
+backward per (warps, stages) of its two kernels (`BWD_CONFIGS`), --summaries-sweep and --readout-sweep
+one launch per (warps, stages, register cap) (`SUMMARIES_CONFIGS`, `READOUT_CONFIGS`); --mix-sweep each mixing launch per one-tile
+launch shape (`MIX_SWEEP`) and through the row-tiled `MIX_TILES` kernel;
 --regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from mhla_convert.kernels import mhla_triton as MT
@@ -52,34 +55,38 @@ def breakdown(heads, dim, layout, causal, backward=True):
     return dict(
         err_x1e3=err * 1e3,
         summaries=t(lambda: MT._summaries(plan, k, v)),
-        mix=t(lambda: MT._mix(plan, mixing, s, st, transpose=False)),
+        mix=t(lambda: MT._mix(plan, mixing, s, st, kind="mix")),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
         infer=t(lambda: MT._inference(plan, q, k, v, mixing)),
         infer_summaries=t(lambda: MT._summaries(plan, k, v, half=True)),
-        infer_mix=t(lambda: MT._mix(plan, mixing, s_half, st, transpose=False)),
+        infer_mix=t(lambda: MT._mix(plan, mixing, s_half, st, kind="mix_half")),
         readout=t(lambda: MT._run(MT.K._readout_kernel, readout, (q, k, v, st, mixing, o))),
         **(_bwd_times(t, plan, q, k, v, mixing, s, st, o, do) if backward else {}),
     )
 
 
 def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
-    dq, dst = MT._bwd_queries(plan, q, k, v, o, do, st, mixing)
-    ds = MT._mix(plan, mixing, dst, torch.empty_like(s), transpose=True)
-    _, _, dmii = MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds)
+    f = MT._static(plan, q.device)
+    dq, dst = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
+    ds, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
+    _, _, dmii = MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds, f)
     return dict(
         bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
-        bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing)),
-        bwd_mixT=t(lambda: MT._mix(plan, mixing, dst, ds, transpose=True)),
-        bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds)),
-        bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, dmii)),
+        bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)),
+        bwd_mixT=t(lambda: MT._mix_t(plan, mixing, dst, s, st.dtype, f)),
+        bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds, f)),
+        bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, part, dmii, f)),
     )
 
 
-# launch settings tried per shape, against an empty FWD_CONFIGS / BWD_CONFIGS (the plan's warps, Triton's
-# default stages, TILE_TOKENS): forward (warps, stages, token tile), backward (warps, stages)
+# launch settings tried per shape, against an empty FWD_CONFIGS / BWD_CONFIGS / SUMMARIES_CONFIGS / READOUT_CONFIGS
+# (the plan's warps, Triton's default stages, TILE_TOKENS): forward (warps, stages, token tile), backward (warps,
+# stages), summaries and readout (warps, stages, register cap)
 SWEEPS = {
     "fwd": ("FWD_CONFIGS", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 2, 128), (4, 2, 32)]),
     "bwd": ("BWD_CONFIGS", [(4, None), (8, None), (4, 2), (8, 2), (4, 3), (8, 1)]),
+    "summaries": ("SUMMARIES_CONFIGS", [(8, 2, 128), (8, 3, 128), (8, 2, None), (4, 3, None), (8, 4, 128), (4, 2, 168)]),
+    "readout": ("READOUT_CONFIGS", [(4, 2, None), (4, 1, 128), (4, 2, 128), (4, 1, None)]),
 }
 
 
@@ -104,12 +111,15 @@ def config_sweep(kind):
 
 def breakdown_keys(kind):
     fwd = ["rel. err x1e3", "summaries", "mix", "fwd", "infer", "infer: summaries", "infer: mix", "readout"]
-    return fwd + (["bwd", "bwd: queries", "mixT", "keys", "dmix"] if kind == "bwd" else [])
+    return fwd + (["bwd", "bwd: queries", "mixT (+ dmix partials: one-tile)", "keys", "dmix"] if kind == "bwd" else [])
 
 
-# (BN, warps, stages, programs per SM) of the one-tile mixing kernel of half summaries (inference)
-MIX_SWEEP = [(128, 8, 2, 4), (128, 8, 2, 1), (128, 8, 2, 2), (128, 8, 3, 1), (64, 4, 3, 2), (64, 4, 4, 1),
-             (64, 8, 3, 2), (64, 4, 2, 4), (32, 4, 4, 2), (256, 8, 2, 1)]
+# (BN, warps, stages, programs per SM) of the one-tile mixing kernel, per operand kind (`MT.MIX_SWEEP`)
+MIX_SWEEP = {
+    "half": [(128, 8, 2, 1), (128, 8, 3, 1), (64, 4, 3, 2), (64, 8, 3, 2), (32, 4, 4, 2)],
+    "float": [(64, 8, 2, 1), (64, 8, 3, 1), (64, 4, 2, 2), (32, 4, 3, 2), (32, 8, 3, 1), (128, 8, 2, 1)],
+    "grad": [(32, 8, 3, 1), (32, 8, 2, 1), (32, 8, 4, 1), (64, 8, 3, 1), (32, 4, 3, 2), (32, 4, 2, 4)],
+}
 
 
 def _inputs(heads, dim, layout, causal):
@@ -121,21 +131,33 @@ def _inputs(heads, dim, layout, causal):
 
 
 def mix_sweep():
-    """The mixing GEMM of half summaries (inference) per one-tile launch shape (`MIX_SWEEP`), and
-    through the row-tiled kernel (which the transposed mixing of the backward always takes)."""
+    """Each mixing launch per one-tile launch shape (`MIX_SWEEP`) against the row-tiled kernel: inference's
+    half summaries ("half"), training's float32 ones ("float"), and the backward's transposed mixing with
+    the mixing gradient ("grad"; row-tiled: the transposed GEMM plus `_dmix_kernel`)."""
     saved = MT.MIX_SWEEP
-    print("| shape | (BN, warps, stages, programs per SM) | mix fwd (half summaries) | mixT bwd | (ms) |")
+    print("| shape | operand | (BN, warps, stages, programs per SM) | ms |")
     for shape, args in SHAPES.items():
         plan, q, k, v, mixing = _inputs(*args)
         s, st, _ = MT._forward(plan, q, k, v, mixing)
         s_half = MT._forward(plan, q, k, v, mixing, half_summaries=True)[0]  # what inference mixes
-        ds = torch.empty_like(s)
-        for tiles in [*MIX_SWEEP, "row-tiled"]:
-            MT.MIX_SWEEP = {} if tiles == "row-tiled" else {MT._p2(plan.m): tiles}
-            t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
-            fwd = t(lambda: MT._mix(plan, mixing, s_half, st, transpose=False))
-            bwd = t(lambda: MT._mix(plan, mixing, s, ds, transpose=True))
-            print(f"| {shape} | {tiles} | {fwd:.4f} | {bwd:.4f} |", flush=True)
+        dst = torch.randn(plan.batch, plan.mix_heads, plan.m, plan.cols, device="cuda")
+        dmii = torch.zeros(plan.batch, plan.heads, plan.m, device="cuda")
+        t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
+
+        def grad():
+            f = MT._static(plan, q.device)
+            _, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
+            MT._mixing_grad(plan, dst, s, part, dmii, f)
+
+        launches = {"half": lambda: MT._mix(plan, mixing, s_half, st, kind="mix_half"),
+                    "float": lambda: MT._mix(plan, mixing, s, st, kind="mix"), "grad": grad}
+        for kind, fn in launches.items():
+            for tiles in [*MIX_SWEEP[kind], "row-tiled"]:
+                MT.MIX_SWEEP = {} if tiles == "row-tiled" else {(MT._p2(plan.m), kind): tiles}
+                try:
+                    print(f"| {shape} | {kind} | {tiles} | {t(fn):.4f} |", flush=True)
+                except triton.runtime.errors.OutOfResources as err:
+                    print(f"| {shape} | {kind} | {tiles} | {err} |", flush=True)
     MT.MIX_SWEEP = saved
 
 

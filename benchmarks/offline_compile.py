@@ -29,14 +29,16 @@ from mhla_convert.kernels import mhla_triton as MT
 from mhla_convert.ops.feature_maps import resolve_feature_map
 
 H200_SMS = 132
-# launch name -> pointer types of its tensors, in order (bf16 inputs; summaries as `_forward` writes them)
+# launch name -> pointer types of its tensors, in order (bf16 inputs; summaries as `_forward` writes them;
+# the one-tile mixing kernel adds the float32 summaries and gradient partials; dS as that kernel writes it)
 POINTERS = {
     "summaries": ("*bf16", "*bf16", "*bf16"),
     "mix_half": ("*fp32", "*bf16", "*bf16"),
     "readout": ("*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*bf16"),
+    "mix": ("*fp32", "*fp32", "*bf16"),
     "bwd_queries": ("*bf16",) * 6 + ("*fp32", "*bf16", "*fp32"),
-    "mix_t": ("*fp32",) * 3,
-    "bwd_keys": ("*bf16",) * 6 + ("*fp32",) * 2 + ("*bf16",) * 2 + ("*fp32",),
+    "mix_t": ("*fp32", "*fp32", "*bf16"),
+    "bwd_keys": ("*bf16",) * 6 + ("*fp32",) + ("*bf16",) * 3 + ("*fp32",),
 }
 
 
@@ -92,8 +94,9 @@ def main():
         for name, pointers in POINTERS.items():
             fn, launch = (kernels[name], static[name]) if name in kernels else static[name]
             grid, ints, kw, _ = launch
+            pointers += ("*fp32", "*fp32") if fn is MT.K._mix_sweep_kernel else ()
             kw = dict(kw)
-            options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages", 3))
+            options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages", 3), maxnreg=kw.pop("maxnreg", None))
             r = resources(compile_sm90(fn, {**dict(zip(fn.arg_names, (*pointers, *ints))), **kw}, options))
             ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
             print(f"| {shape} | {name} | {fn.__name__} | {grid} | {options['num_warps']}, {options['num_stages']} | {r['regs']} | "

@@ -173,7 +173,7 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     sweep kernel splits them into hi + lo half parts), so half-exact inputs give float32-exact sums."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {16: (16, 4, 2, 4)} if sweep else {})  # (M = 7: one tile of 16 rows)
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, "half"): (16, 4, 2, 4)} if sweep else {})  # (M = 7: one tile of 16 rows)
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(mhla_triton, "_run", lambda fn, *a: launched.append(fn) or real_run(fn, *a))
     device = "cuda" if CUDA else "cpu"
@@ -186,12 +186,32 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
                              scale=1.0, eps=1e-6)
     s = torch.randn(1, heads, m, plan.cols, device=device).to(dtype)
     out = torch.full((1, heads, m, plan.cols), float("nan"), device=device)
-    mhla_triton._mix(plan, mixing, s, out, transpose=False)
+    mhla_triton._mix(plan, mixing, s, out, kind="mix_half")
     assert launched == [mhla_triton.K._mix_sweep_kernel if sweep else mhla_triton.K._mix_kernel]
     w = mixing.tril(-1) if causal else mixing
     want = w @ s.float()
     err = ((out - want).norm() / want.norm()).item()
     assert err < 2e-5, f"relative error {err:.1e}: the weights were rounded to half precision"
+
+
+@pytest.mark.parametrize("name", ["2d-odd-grid", "1d-gqa-shared", "3d-odd-grid-gqa-per-head-elu-unnorm",
+                                  "causal-per-head-elu-unnorm", "causal-blocks"])
+def test_one_tile_mixing_in_training(name, monkeypatch):
+    """Training through the one-tile mixing kernel: the forward over float32 summaries, and the transposed
+    mixing with the mixing gradient in the same pass (half inputs: fp16 under the interpreter, whose bf16
+    tl.dot is wrong in Triton 3.6, bf16 on a GPU); grouped mixing heads keep the tiled kernels."""
+    if not (INTERPRETED or CUDA):
+        pytest.skip("needs the interpreter or a GPU")
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad")})
+    launched, real_run = [], mhla_triton._run
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t))
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    case = CASES[name]
+    _compare(case, dtype, "cuda" if CUDA else "cpu", TOL[dtype])
+    sweeps = [kw["GRAD"] for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel]
+    grouped = case[8] and case[4] != case[5]  # per-head mixing over grouped key heads: dS sums several heads
+    assert False in sweeps and (True in sweeps) != grouped
+    assert (mhla_triton.K._dmix_kernel in [fn for fn, _ in launched]) == grouped
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")

@@ -184,12 +184,17 @@ def _mix_kernel(
 
 @triton.jit
 def _mix_sweep_kernel(
-    A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
+    A, X, OUT, S, PART, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, COL_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
+    GRAD: tl.constexpr,
 ):
     """OUT[b, o] = A_o @ X[b, o // GX] when all M ≤ BM blocks fit one tile (`_mix_kernel` with R = 1):
     A_o is loaded once and the program sweeps COL_TILES column tiles, so each summary column is read
-    once and nothing is re-read per row tile."""
+    once and nothing is re-read per row tile. A float32 X is rounded to OUT's precision first (the sum
+    is rounded to it anyway, and as a tf32 operand of a column-major tile it would load 4 bytes at a
+    time). GRAD (backward: X = dS̃, S the float32 summaries of the same heads):
+    also the mixing gradient's ⟨X_i, S_j⟩ over the swept columns, into PART per program, in the same
+    pass over dS̃."""
     bo, pc = tl.program_id(0), tl.program_id(1)
     b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
     i = tl.arange(0, BM)
@@ -201,12 +206,27 @@ def _mix_sweep_kernel(
     a = tl.load(A + o * a_sh + i[:, None] * a_si + i[None, :] * a_sk, mask=amask, other=0.0).to(tl.float32)
     xp = X + b * x_sb + (o // GX) * x_sh
     op = OUT + b * o_sb + o * o_sh
+    if GRAD:
+        g = tl.zeros((BM, BM), tl.float32)
     for t in range(COL_TILES):
         c = (pc * COL_TILES + t) * BN + tl.arange(0, BN)
         mask = (i < M)[:, None] & (c < COLS)[None, :]
         x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0)
-        acc = _mix_dot(a, x, tl.zeros((BM, BN), tl.float32), DOT_PREC)
+        xm = x
+        if X.dtype.element_ty == tl.float32:
+            xm = x.to(OUT.dtype.element_ty)
+        acc = _mix_dot(a, xm, tl.zeros((BM, BN), tl.float32), DOT_PREC)
         tl.store(op + i[:, None] * COLS + c[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+        if GRAD:  # (X loaded again for its tf32 product: Triton 3.6 on sm_90 mis-pipelines one load used both
+            # in registers and as a tf32 operand, and the sums come out wrong from 2 stages on)
+            x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+            s = tl.load(S + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :], mask=mask, other=0.0)
+            g = tl.dot(x, tl.trans(s), g, input_precision=DOT_PREC)
+    if GRAD:
+        if MASK:  # the strict causal triangle (mixing weights on or above the diagonal are not used)
+            g = tl.where(i[None, :] < i[:, None], g, 0.0)
+        part = PART + (bo * tl.num_programs(1) + pc).to(tl.int64) * M * M + i[:, None] * M + i[None, :]
+        tl.store(part, g, mask=(i < M)[:, None] & (i < M)[None, :])
 
 
 @triton.jit

@@ -32,12 +32,14 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
 MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
-# the mixing GEMM of half-precision summaries (inference) when all M blocks fit one tile of BM = p2(M) rows
-# (`_mix_sweep_kernel`): BM -> (BN, warps, stages, programs per SM), from `kernel_breakdown.py --mix-sweep`
-# (Wan, M = 105: 0.093 ms row-tiled -> 0.036; DiT/SANA 16k, M = 64: 0.015 -> 0.014). Other BM (row-tiled
-# was as fast at M = 16), and float32 summaries and dS̃ (the tf32 tiles of their column-major operand load
-# 4 bytes at a time: slower in one tile), take `_mix_kernel` with MIX_TILES
-MIX_SWEEP: dict = {128: (128, 8, 3, 1), 64: (64, 4, 3, 2)}
+# the mixing GEMMs of half-precision inputs when all M blocks fit one tile of BM = p2(M) rows and each output
+# head reads one input head (`_mix_sweep_kernel`): (BM, operand) -> (BN, warps, stages, programs per SM), from
+# `kernel_breakdown.py --mix-sweep`. Operand "half": inference's half summaries (Wan, M = 105: 0.093 ms
+# row-tiled -> 0.036; DiT/SANA 16k, M = 64: 0.015 -> 0.014); "float": training's float32 summaries; "grad":
+# the backward's float32 dS̃ with the mixing gradient in the same pass. Other BM (row-tiled was as fast at
+# M = 16), float32 inputs and grouped heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
+MIX_SWEEP: dict = {(128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2), (128, "float"): (64, 8, 3, 1),
+                   (128, "grad"): (32, 8, 3, 1), (64, "grad"): (32, 4, 3, 2)}
 # (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, Triton's default). Empty:
 # `kernel_breakdown.py --bwd-sweep` found nothing beyond noise (docs/benchmarks.md)
 BWD_CONFIGS: dict = {}
@@ -50,6 +52,12 @@ PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many progr
 # --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
 # split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms. SANA (D = 32) is best at the default (4 warps, 3 stages).
 FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
+# the non-causal summaries and readout launches' own (warps, stages, register cap) per head dims, where they
+# differ from FWD_CONFIGS (`kernel_breakdown.py --summaries-sweep / --readout-sweep`): a register cap lets one
+# more program share the SM. Wan: summaries 0.093 -> 0.088 ms (8 warps, 2 programs per SM); readout 0.096 ->
+# 0.091 (1 stage, so 4 programs per SM fit in shared memory, not 3: 1,260 programs fill 2.4 waves, not 3.2)
+SUMMARIES_CONFIGS: dict = {(128, 128): (8, 3, 128)}
+READOUT_CONFIGS: dict = {(128, 128): (4, 1, 128)}
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -186,6 +194,10 @@ class _Plan:
     warps: int
 
     @property
+    def half_inputs(self) -> bool:
+        return self.prec == "tf32"
+
+    @property
     def mix_sh(self) -> int:
         return self.m * self.m if self.per_head else 0
 
@@ -223,11 +235,14 @@ def _settings_kw(p: _Plan, warps=None, stages=None) -> dict:
     return kw
 
 
-def _fwd_kw(p: _Plan) -> dict:
-    """Keyword arguments of the summaries and readout launches (warps, stages and, non-causal, the
-    token tile per head dims)."""
+def _fwd_kw(p: _Plan, launch: str) -> dict:
+    """Keyword arguments of the "summaries" or "readout" launch (warps, stages and, non-causal, the
+    token tile per head dims, and the launch's own settings)."""
     warps, stages, tile = (*FWD_CONFIGS.get((p.dim, p.dv), ()), None, None, None)[:3]
     kw = _settings_kw(p, warps, stages)
+    own = None if p.causal else {"summaries": SUMMARIES_CONFIGS, "readout": READOUT_CONFIGS}[launch].get((p.dim, p.dv))
+    if own:
+        kw.update(num_warps=own[0], num_stages=own[1], **({"maxnreg": own[2]} if own[2] else {}))
     if tile is not None and not p.causal:
         kw["BT"] = min(tile, _p2(p.geometry["T"]))
     (bd, bdh), (bdv, bdvh) = head_dim_parts(p.dim), head_dim_parts(p.dv)
@@ -248,16 +263,18 @@ def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of every launch: grids, integer
     arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
     wanted = _programs_wanted(device)
-    key = (id(p), device, wanted, FWD_CONFIGS.get((p.dim, p.dv)), BWD_CONFIGS.get((p.dim, p.dv)), MIX_TILES,
+    key = (id(p), device, wanted, FWD_CONFIGS.get((p.dim, p.dv)), SUMMARIES_CONFIGS.get((p.dim, p.dv)),
+           READOUT_CONFIGS.get((p.dim, p.dv)),
+           BWD_CONFIGS.get((p.dim, p.dv)), MIX_TILES,
            tuple(MIX_SWEEP.items()), TILE_TOKENS, SPLIT_HEAD_DIMS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
-        fwd = _fwd_kw(p)
+        fwd = _fwd_kw(p, "readout")
         nt = _cdiv(p.geometry["T"], fwd["BT"])
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
-        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **fwd)
+        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p, "summaries"))
         r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
         r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
                     **fwd)
@@ -270,8 +287,7 @@ def _static(p: _Plan, device):
         hit = dict(plan=p, s_zero=s_splits > 1, dst_zero=q_splits > 1,
                    summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
                    readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   mix=_mix_launch(p, wanted, transpose=False, half=False), mix_t=_mix_launch(p, wanted, transpose=True, half=False),
-                   mix_half=_mix_launch(p, wanted, transpose=False, half=True),
+                   **{kind: _mix_launch(p, wanted, kind) for kind in ("mix", "mix_half", "mix_t")},
                    bwd_queries=((p.batch * p.mix_heads, p.m, q_splits), (*rows, p.heads), bq_kw, tuple(bq_kw.items())),
                    bwd_keys=((p.batch * p.kv_heads, p.m, nt_b), (*rows, p.heads, p.kv_heads), bk_kw, tuple(bk_kw.items())),
                    dmix=_dmix_launch(p, wanted))
@@ -281,21 +297,24 @@ def _static(p: _Plan, device):
     return hit
 
 
-def _mix_launch(p: _Plan, wanted: int, *, transpose: bool, half: bool):
-    """(kernel, launch) of the mixing GEMM. Forward: out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
-    Transposed: out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃. (All summaries are
-    contiguous (B, H, M, COLS).) `half`: S in half precision (inference)."""
+def _mix_launch(p: _Plan, wanted: int, kind: str):
+    """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
+    summaries: training) and "mix_half" (half ones: inference): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
+    "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
+    yields the mixing gradient's partials)."""
     m, cols = p.m, p.cols
-    if transpose:
+    if kind == "mix_t":
         h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
     else:
         h_in, h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
     strides = (h_in * m * cols, m * cols, h_out * m * cols, m * cols)
     mask = mask if p.causal else 0
-    if half and r == 1 and _p2(m) in MIX_SWEEP:
-        bn, warps, stages, per_sm = MIX_SWEEP[_p2(m)]
+    sweep = MIX_SWEEP.get((_p2(m), {"mix": "float", "mix_half": "half", "mix_t": "grad"}[kind]))
+    if sweep and r == 1 and p.half_inputs:
+        bn, warps, stages, per_sm = sweep
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, wanted * per_sm // PROGRAMS_PER_SM))
-        kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, num_warps=warps, num_stages=stages)
+        kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind == "mix_t",
+                  num_warps=warps, num_stages=stages)
         return K._mix_sweep_kernel, ((p.batch * h_out, splits), (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides), kw,
                                      tuple(kw.items()))
     bm, bn, bk, warps = MIX_TILES
@@ -323,10 +342,12 @@ def _summaries(p: _Plan, k, v, half: bool = False, f=None):
     return s
 
 
-def _mix(p: _Plan, mixing, x, out, *, transpose: bool, f=None):
-    name = "mix_t" if transpose else "mix_half" if x.dtype != torch.float32 else "mix"
-    fn, launch = (f or _static(p, x.device))[name]
-    _run(fn, launch, (mixing, x, out))
+def _mix(p: _Plan, mixing, x, out, *, kind: str, f=None, s=None, part=None):
+    """One of `_static`'s mixing launches; the one-tile kernel takes the float32 summaries `s` and the
+    partials buffer `part` of the mixing gradient ("mix_t"; placeholders elsewhere)."""
+    fn, launch = (f or _static(p, x.device))[kind]
+    extra = (x if s is None else s, out if part is None else part) if fn is K._mix_sweep_kernel else ()
+    _run(fn, launch, (mixing, x, out, *extra))
     return out
 
 
@@ -350,7 +371,8 @@ def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
     if s.dtype == st_dtype != torch.float32 and p.m >= MATMUL_MIX_MIN_BLOCKS:
         st = _mix_matmul(p, mixing, s)
     else:
-        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype), transpose=False, f=f)
+        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype),
+                  kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
     _run(K._readout_kernel, f["readout"], (q, k, v, st, mixing, o))
     return s, st, o
@@ -361,30 +383,43 @@ def _bwd_kw(p: _Plan) -> dict:
     return _settings_kw(p, *BWD_CONFIGS.get((p.dim, p.dv), ()))
 
 
-def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing):
+def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing, f):
     """dq, and dS̃ (float32) for the mixing GEMM and the mixing gradient."""
-    f = _static(p, q.device)
     dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=f["dst_zero"])
     dq = _new(*q.shape, device=q.device, dtype=q.dtype)
     _run(K._bwd_query_kernel, f["bwd_queries"], (q, k, v, o, do, st, mixing, dq, dst))
     return dq, dst
 
 
-def _bwd_keys(p: _Plan, q, k, v, o, do, st, mixing, ds):
+def _mix_t(p: _Plan, mixing, dst, s, dtype, f):
+    """dS = mixingᵀ dS̃, and the mixing gradient's partials when the one-tile kernel makes them in the same
+    pass (else None). That kernel writes dS in the mixed summaries' half `dtype` (the key side reads it as a
+    matmul operand in that precision anyway); the row-tiled one in float32 (measured faster: causal 32k
+    0.51 ms against 0.64 for a bf16 dS, of which the key side got back 0.03)."""
+    fn, launch = f["mix_t"]
+    one_tile = fn is K._mix_sweep_kernel
+    ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype if one_tile else torch.float32)
+    part = _new(launch[0][0] * launch[0][1], p.m, p.m, device=dst.device, dtype=torch.float32) if one_tile else None
+    _mix(p, mixing, dst, ds, kind="mix_t", f=f, s=s, part=part)
+    return ds, part
+
+
+def _bwd_keys(p: _Plan, q, k, v, o, do, st, mixing, ds, f):
     """dk, dv from dS = mixingᵀ dS̃, and (causal) each head's ∂/∂m_ii."""
     dev = q.device
     dk, dv = _new(*k.shape, device=dev, dtype=k.dtype), _new(*v.shape, device=dev, dtype=v.dtype)
     dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=torch.float32) if p.causal else dk
-    _run(K._bwd_key_kernel, _static(p, dev)["bwd_keys"], (q, k, v, o, do, st, mixing, ds, dk, dv, dmii))
+    _run(K._bwd_key_kernel, f["bwd_keys"], (q, k, v, o, do, st, mixing, ds, dk, dv, dmii))
     return dk, dv, dmii
 
 
 def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's."""
-    dq, dst = _bwd_queries(p, q, k, v, o, do, st, mixing)
-    ds = _mix(p, mixing, dst, _new(p.batch, p.kv_heads, p.m, p.cols, device=q.device, dtype=torch.float32), transpose=True)
-    dk, dv, dmii = _bwd_keys(p, q, k, v, o, do, st, mixing, ds)
-    dmix = _mixing_grad(p, dst, s, dmii).to(mixing.dtype) if need_mixing else None
+    f = _static(p, q.device)
+    dq, dst = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
+    ds, part = _mix_t(p, mixing, dst, s, st.dtype, f)
+    dk, dv, dmii = _bwd_keys(p, q, k, v, o, do, st, mixing, ds, f)
+    dmix = _mixing_grad(p, dst, s, part, dmii, f).to(mixing.dtype) if need_mixing else None
     return dq, dk, dv, dmix
 
 
@@ -401,12 +436,14 @@ def _dmix_launch(p: _Plan, wanted: int):
     return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw, tuple(kw.items())
 
 
-def _mixing_grad(p: _Plan, dst, s, dmii):
-    launch = _static(p, dst.device)["dmix"]
-    splits = launch[1][4]
-    part = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
-    _run(K._dmix_kernel, launch, (dst, s, part))
-    dmix = part.view(p.batch, p.mix_heads, splits, p.m, p.m).sum((0, 2))  # (H_mix, M, M)
+def _mixing_grad(p: _Plan, dst, s, part, dmii, f):
+    """Sum of the ⟨dS̃_i, S_j⟩ partials (from `_mix_t`, or made here by `_dmix_kernel`) over batch and
+    column splits, plus the causal diagonal's own-chunk terms."""
+    if part is None:
+        launch = f["dmix"]
+        part = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
+        _run(K._dmix_kernel, launch, (dst, s, part))
+    dmix = part.view(p.batch, p.mix_heads, -1, p.m, p.m).sum((0, 2))  # (H_mix, M, M)
     if p.causal:
         dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.sum(0).view(p.mix_heads, -1, p.m).sum(1))
     return dmix if p.per_head else dmix.sum(0)
