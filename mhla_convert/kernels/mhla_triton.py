@@ -264,10 +264,9 @@ def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of every launch: grids, integer
     arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
     wanted = _programs_wanted(device)
-    key = (id(p), device, wanted, FWD_CONFIGS.get((p.dim, p.dv)), SUMMARIES_CONFIGS.get((p.dim, p.dv)),
-           READOUT_CONFIGS.get((p.dim, p.dv)),
-           BWD_CONFIGS.get((p.dim, p.dv)), MIX_TILES,
-           tuple(MIX_SWEEP.items()), TILE_TOKENS, SPLIT_HEAD_DIMS)
+    settings = (FWD_CONFIGS, SUMMARIES_CONFIGS, READOUT_CONFIGS, BWD_CONFIGS)
+    key = (id(p), device, wanted, *(c.get((p.dim, p.dv)) for c in settings), MIX_TILES, tuple(MIX_SWEEP.items()),
+           TILE_TOKENS, SPLIT_HEAD_DIMS)
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
         fwd = _fwd_kw(p, "readout")
