@@ -95,6 +95,15 @@ def _run(case, tensors, backend, grad_out):
     return [out.detach().float()] + [t.grad.float() for t in tensors]
 
 
+def _assert_close(name, got, want, own, tol):
+    """got against the float32 reference want: within tol, or, for half inputs, within twice the torch
+    path's own error `own` in that dtype (same inputs, float32 accumulation; tol is then only a floor)."""
+    assert torch.isfinite(got).all(), f"{name}: non-finite (an unwritten element?)"
+    err = ((got.float() - want).norm() / want.norm()).item()
+    bound = tol if own is None else max(tol, 2 * ((own.float() - want).norm() / want.norm()).item())
+    assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in its dtype: {bound / 2:.1e})"
+
+
 def _compare(case, dtype, device, tol):
     torch.manual_seed(0)
     tensors = _inputs(case, dtype, device)
@@ -104,14 +113,9 @@ def _compare(case, dtype, device, tol):
     grad_out = torch.randn(out_shape, device=device)
     want = _run(case, ref_in, "torch", grad_out)
     got = _run(case, tensors, "triton", grad_out.to(dtype))
-    # half inputs: the Triton error may be at most twice the torch path's own error in that dtype
-    # (same inputs, float32 accumulation), against the float32 reference; tol is then only a floor
-    own = _run(case, tensors, "torch", grad_out.to(dtype)) if dtype != torch.float32 else None
-    for i, (name, g, w) in enumerate(zip(("out", "dq", "dk", "dv", "dmixing"), got, want)):
-        assert torch.isfinite(g).all(), f"{name}: non-finite (an unwritten element?)"
-        err = ((g - w).norm() / w.norm()).item()
-        bound = tol if own is None else max(tol, 2 * ((own[i] - w).norm() / w.norm()).item())
-        assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in {dtype}: {bound / 2:.1e})"
+    own = _run(case, tensors, "torch", grad_out.to(dtype)) if dtype != torch.float32 else [None] * len(got)
+    for name, g, w, o in zip(("out", "dq", "dk", "dv", "dmixing"), got, want, own):
+        _assert_close(name, g, w, o, tol)
 
 
 @interp
@@ -145,10 +149,8 @@ def _compare_forward(case, dtype, device, tol):
         want = mhla_attention(q.float(), k.float(), v.float(), mixing, backend="torch", **kw)
         got = mhla_attention(q, k, v, mixing, backend="triton", **kw)
         own = mhla_attention(q, k, v, mixing, backend="torch", **kw).float()
-    assert got.grad_fn is None and torch.isfinite(got).all(), "an autograd node, or an unwritten element"
-    err = ((got.float() - want).norm() / want.norm()).item()
-    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
-    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+    assert got.grad_fn is None, "an autograd node"
+    _assert_close("out", got, want, None if dtype == torch.float32 else own, tol)
 
 
 @interp
