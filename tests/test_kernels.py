@@ -196,6 +196,37 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     assert err < 2e-5, f"relative error {err:.1e}: the weights were rounded to half precision"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_weighted_summaries_keep_float32_token_weights(dtype):
+    """dS̃ and dz̃ by the summaries kernel (WEIGHTED, heads grouped per mixed summary): each token's φ(q) row
+    is scaled by scale·W[0] and rounded to half precision once, as the matmul operand of dS̃ it is; dz̃,
+    the sum of those rows weighted by W[1], stays float32 throughout."""
+    if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
+        pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
+    device = "cuda" if CUDA else "cpu"
+    torch.manual_seed(0)
+    layout = BlockLayout.create((7, 9), (2, 3))
+    batch, heads, kv_heads, dim, dv, scale = 2, 4, 2, 16, 24, 0.3
+    n, m = layout.num_tokens, layout.num_blocks
+    q = torch.randn(batch, n, heads, dim, device=device).to(dtype)
+    do = torch.randn(batch, n, heads, dv, device=device).to(dtype)
+    kv = torch.empty(batch, n, kv_heads, dv, device=device, dtype=dtype)
+    w = torch.randn(batch, heads, 2, n, device=device)
+    plan = mhla_triton._plan(q, kv[..., :dim], kv, torch.rand(m, m, device=device), layout, causal=False,
+                             phi=resolve_feature_map("relu"), normalize=True, scale=scale, eps=1e-6)
+    dst = mhla_triton._bwd_summaries(plan, q, do, w, mhla_triton._static(plan, q.device)).double()
+    fq = torch.relu(q.double()) * (w[:, :, 0].double() * scale).transpose(1, 2)[..., None]
+    fq_half = fq.to(dtype).double()  # as the kernel rounds it for dS̃
+    onehot = torch.nn.functional.one_hot(layout.block_ids(device).flatten(), m).double()  # (N, M)
+    group = lambda x: x.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)  # noqa: E731  (query heads of one mixed summary)
+    want_s = group(torch.einsum("bnhd,bnhe,nm->bhmde", fq_half, do.double(), onehot)).flatten(-2)
+    want_z = group(torch.einsum("bnhd,bhn,nm->bhmd", fq, w[:, :, 1].double(), onehot))
+    for name, got, want, tol in (("dz", dst[..., dim * dv:], want_z, 2e-5), ("dS", dst[..., : dim * dv], want_s, 2e-5)):
+        assert torch.isfinite(got).all(), f"{name}: an unwritten element"
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < tol, f"{name}: relative error {err:.1e} (a sum rounded to half precision?)"
+
+
 @pytest.mark.parametrize("name", ["2d-odd-grid", "1d-gqa-shared", "3d-odd-grid-gqa-per-head-elu-unnorm",
                                   "causal-per-head-elu-unnorm", "causal-blocks"])
 def test_one_tile_mixing_in_training(name, monkeypatch):
@@ -276,6 +307,30 @@ def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
     case = {**CASES, **FAMILY_CASES}[name]
     _compare(case, dtype, "cuda", TOL[dtype])
     _compare(case, dtype, "cuda", TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["wan-d128", "llm-d64-causal-gqa"])
+def test_cuda_chained_launches(name, monkeypatch):
+    """On Hopper every launch of the operator is a programmatic dependent launch (`mhla_triton.PDL`): each
+    kernel waits for the previous one's writes before touching memory, so the results are the unchained
+    launches' (the poisoned buffers catch a read that came too early)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    case = FAMILY_CASES[name]
+    results, real_run = {}, mhla_triton._run
+    for chained in (True, False):
+        monkeypatch.setattr(mhla_triton, "PDL", chained)
+        launched = []
+        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append(launch[2]) or real_run(fn, launch, t))
+        torch.manual_seed(0)
+        tensors = _inputs(case, torch.bfloat16, "cuda")
+        grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
+        results[chained] = _run(case, tensors, "triton", grad_out)
+        assert all(kw.get("launch_pdl", False) == chained for kw in launched) and len(launched) >= 6
+    for got, want in zip(results[True], results[False]):
+        assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()) < 1e-6
 
 
 @pytest.mark.gpu

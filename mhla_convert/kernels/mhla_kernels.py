@@ -17,6 +17,17 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _chained(PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper): let the next launch's programs take SMs as this launch's
+    last programs drain, then wait for the previous launch's writes. First in every kernel, before any
+    global memory access, so a launch is safe after anything; a no-op when PDL is off."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -47,38 +58,51 @@ def _dphi(x, PHI: tl.constexpr):
 
 @triton.jit
 def _load_rows(base, n, valid, stride_n, d, dmask):
-    """(BT, BD) float32 tile of rows n; zero where masked."""
+    """(BT, BD) tile of token rows n of q, k, v, o or do (each read once per launch: evicted first from
+    L2, which then keeps the summaries that the next launch reads); zero where masked."""
     mask = valid[:, None] & dmask[None, :]
-    return tl.load(base + n[:, None] * stride_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(base + n[:, None] * stride_n + d[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
 def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
-    """φ of a row tile, zeroed at masked slots (φ(0) need not be 0), and the raw tile for φ'."""
-    x = _load_rows(base, n, valid, stride_n, d, dmask)
+    """φ of a row tile (float32), zeroed at masked slots (φ(0) need not be 0), and the raw tile for φ'."""
+    x = _load_rows(base, n, valid, stride_n, d, dmask).to(tl.float32)
     return tl.where(valid[:, None] & dmask[None, :], _phi(x, PHI), 0.0), x
 
 
 @triton.jit
 def _summaries_kernel(
-    K, V, S, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HKV, M, COLS: tl.constexpr,
+    K, V, S, W, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HS, M, COLS: tl.constexpr,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
+    GROUP: tl.constexpr = 1, WEIGHTED: tl.constexpr = False, scale=1.0, PDL: tl.constexpr = False,
 ):
-    """S[b, h, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split).
+    """S[b, s, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split), for
+    the GROUP heads s·GROUP … of k and v.
+
+    WEIGHTED is the backward's dS̃_i = Σ (scale φ(q))ᵀ dnum, dz̃_i = Σ scale φ(q) dden (K = q, V = do, GROUP =
+    query heads per mixed summary): with dnum = do / (den + eps) and dden = −(do·o) / (den + eps), each
+    token's φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) and its z term weighted by
+    W[b, h, 1, n] = −do·o (from `_bwd_query_kernel`), summed in float32 over the tile's tokens (not a tile
+    product: exact, and no extra operand in shared memory). The weight goes on φ, already in registers,
+    and not on the loaded v tile: rescaling that tile before its product made Triton 3.6 read shared
+    memory out of range (bf16, sm_90).
 
     z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
     measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim
     that is not a power of two into BD + BDH columns (72 = 64 + 16 instead of 128): four smaller
     accumulators in place of one mostly padded one (see `head_dim_parts`)."""
+    _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h = (bh // HKV).to(tl.int64), bh % HKV
+    b, hs = (bh // HS).to(tl.int64), bh % HS
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
-    kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
+    nt = L0 * L1 * L2
     s_ll = tl.zeros((BD, BDV), tl.float32)
     z_l = tl.zeros((BD, 16), tl.float32)  # 16 equal columns: the smallest tile product
+    zw_l = tl.zeros((BD,), tl.float32)  # (WEIGHTED)
     if BDVH:
         eh = BDV + tl.arange(0, BDVH)
         ehm = eh < DV
@@ -88,34 +112,50 @@ def _summaries_kernel(
         dhm = dh < D
         s_hl = tl.zeros((BDH, BDV), tl.float32)
         z_h = tl.zeros((BDH, 16), tl.float32)
+        zw_h = tl.zeros((BDH,), tl.float32)
         if BDVH:
             s_hh = tl.zeros((BDH, BDVH), tl.float32)
-    for t in range(TILES_PER_PROG):  # tiles past the block are all-masked (j ≥ T)
-        n, valid = _rows(m, (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-        vv = tl.load(vp + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
-        ones = tl.full((BT, 16), 1.0, vv.dtype)
+    for it in range(GROUP * TILES_PER_PROG):  # (one loop over heads and tiles: Triton pipelines the innermost)
+        h = hs * GROUP + it // TILES_PER_PROG
+        kp, vp = K + b * skb + h * skh, V + b * svb + h * svh
+        t = split * TILES_PER_PROG + it % TILES_PER_PROG  # tiles past the block are all-masked (j ≥ T)
+        n, valid = _rows(m, t * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+        vv = _load_rows(vp, n, valid, svn, e, em)
+        dt = vv.dtype
+        ones = tl.full((BT, 16), 1.0, dt)
         fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
-        fk = tl.trans(fk.to(vv.dtype))
+        if WEIGHTED:
+            wp = W + (b * HS * GROUP + h) * 2 * nt
+            wq = tl.load(wp + n, mask=valid, other=0.0) * scale
+            wz = tl.load(wp + nt + n, mask=valid, other=0.0)
+            fk = fk * wq[:, None]
+            zw_l += tl.sum(fk * wz[:, None], 0)
+        fk = tl.trans(fk.to(dt))
         s_ll += tl.dot(fk, vv, input_precision=DOT_PREC)
-        z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
+        if not WEIGHTED:
+            z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
         if BDVH:
-            vh = tl.load(vp + n[:, None] * svn + eh[None, :], mask=valid[:, None] & ehm[None, :], other=0.0)
+            vh = _load_rows(vp, n, valid, svn, eh, ehm)
             s_lh += tl.dot(fk, vh, input_precision=DOT_PREC)
         if BDH:
             fkh, _ = _load_phi(kp, n, valid, skn, dh, dhm, PHI)
-            fkh = tl.trans(fkh.to(vv.dtype))
+            if WEIGHTED:
+                fkh = fkh * wq[:, None]
+                zw_h += tl.sum(fkh * wz[:, None], 0)
+            fkh = tl.trans(fkh.to(dt))
             s_hl += tl.dot(fkh, vv, input_precision=DOT_PREC)
-            z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
+            if not WEIGHTED:
+                z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
             if BDVH:
                 s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
     out = S + (bh * M + m).to(tl.int64) * COLS
     _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC)
-    _put(out + D * DV + d, tl.max(z_l, 1), dm, ATOMIC)
+    _put(out + D * DV + d, zw_l if WEIGHTED else tl.max(z_l, 1), dm, ATOMIC)
     if BDVH:
         _put(out + d[:, None] * DV + eh[None, :], s_lh, dm[:, None] & ehm[None, :], ATOMIC)
     if BDH:
         _put(out + dh[:, None] * DV + e[None, :], s_hl, dhm[:, None] & em[None, :], ATOMIC)
-        _put(out + D * DV + dh, tl.max(z_h, 1), dhm, ATOMIC)
+        _put(out + D * DV + dh, zw_h if WEIGHTED else tl.max(z_h, 1), dhm, ATOMIC)
         if BDVH:
             _put(out + dh[:, None] * DV + eh[None, :], s_hh, dhm[:, None] & ehm[None, :], ATOMIC)
 
@@ -146,12 +186,14 @@ def _mix_dot(a, x, acc, DOT_PREC: tl.constexpr):
 def _mix_kernel(
     A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles.
 
     Forward: A = mixing, X = summaries. Backward: A = mixingᵀ (strides swapped), X = dS̃, and R
     sums the query heads that share a key head. MASK 1 keeps A[i, k] for k < i, 2 for k > i (the
     strict causal triangle, as stored or transposed)."""
+    _chained(PDL)
     bo, pi, pc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
     i = pi * BM + tl.arange(0, BM)
@@ -186,7 +228,7 @@ def _mix_kernel(
 def _mix_sweep_kernel(
     A, X, OUT, S, PART, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, COL_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
-    GRAD: tl.constexpr,
+    GRAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """OUT[b, o] = A_o @ X[b, o // GX] when all M ≤ BM blocks fit one tile (`_mix_kernel` with R = 1):
     A_o is loaded once and the program sweeps COL_TILES column tiles, so each summary column is read
@@ -195,6 +237,7 @@ def _mix_sweep_kernel(
     time). GRAD (backward: X = dS̃, S the float32 summaries of the same heads):
     also the mixing gradient's ⟨X_i, S_j⟩ over the swept columns, into PART per program, in the same
     pass over dS̃."""
+    _chained(PDL)
     bo, pc = tl.program_id(0), tl.program_id(1)
     b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
     i = tl.arange(0, BM)
@@ -236,11 +279,12 @@ def _readout_kernel(
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
-    BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
+    BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
     adds the query's own chunk, weighted by m_ii, as a masked tile product. BDH / BDVH: head dims
     in two column parts, as in `_summaries_kernel` (non-causal only)."""
+    _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
@@ -285,7 +329,7 @@ def _readout_kernel(
             mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
             hk = h // HKV_GROUP
             fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
-            vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
+            vv = _load_rows(V + b * svb + hk * svh, n, valid, svn, e, em)
             a = tl.dot(fq.to(vv.dtype), tl.trans(fk.to(vv.dtype)), input_precision=DOT_PREC)
             a = tl.where(j[:, None] >= j[None, :], a, 0.0) * mii
             num += tl.dot(a.to(vv.dtype), vv, input_precision=DOT_PREC)
@@ -303,145 +347,143 @@ def _readout_kernel(
 
 @triton.jit
 def _bwd_query_kernel(
-    Q, K, V, O, DO, ST, MIX, DQ, DST,
+    Q, K, V, O, DO, ST, MIX, DQ, W,
     sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
-    H, HKV_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
+    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, ATOMIC: tl.constexpr, DOT_PREC: tl.constexpr, HMIX_GROUP: tl.constexpr,
-    TILES_PER_PROG: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """dq for the query heads reading one mixed summary S̃_i, and dS̃_i = Σ φ(q)ᵀ dnum,
-    dz̃_i = Σ dden·φ(q) (float32). With o = num / (den + eps): dnum = do / (den + eps),
-    dden = −(do·o) / (den + eps); causal adds the own-chunk terms through dA = m_ii (dnum vᵀ + dden)."""
-    bhm, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, hm = (bhm // HMIX).to(tl.int64), bhm % HMIX
+    """dq for token tiles of block i of query head h (S̃_i loaded once), and per token W[b, h, 0, n] =
+    1/(den + eps), W[b, h, 1, n] = −do·o, from which the summaries kernel (WEIGHTED) makes dS̃ and dz̃ and
+    the key side its own-chunk terms. With o = num / (den + eps): dnum = do / (den + eps), dden = −(do·o) / (den + eps),
+    dφ(q) = S̃_i dnum + z̃_i dden; causal adds the own-chunk terms through dA = m_ii (dnum vᵀ + dden).
+    Unnormalised: W = (1, 0). No accumulator across tiles, so nothing limits the programs per SM but
+    the tiles (the dS̃ accumulator in here held one program per SM at 255 registers)."""
+    _chained(PDL)
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = (bh // H).to(tl.int64), bh % H
+    hk = h // HKV_GROUP
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
-    sp = ST + (bhm * M + m).to(tl.int64) * COLS
+    sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
     st = tl.load(sp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
     dt = st.dtype
     if NORMALIZE:
         zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
-    dst = tl.zeros((BD, BDV), tl.float32)
-    dzt = tl.zeros((BD,), tl.float32)
-    for r in range(HMIX_GROUP):
-        h = hm * HMIX_GROUP + r
-        hk = h // HKV_GROUP
+    if CAUSAL:
+        mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+    nt = L0 * L1 * L2
+    wp = W + (b * H + h) * 2 * nt
+    for t in range(TILES_PER_PROG):
+        j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
+        n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+        fq, qx = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
+        fq = fq * scale
+        do = _load_rows(DO + b * sdb + h * sdh, n, valid, sdn, e, em).to(tl.float32)
         if CAUSAL:
-            mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
-        for t in range(TILES_PER_PROG):
-            j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
-            n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-            rmask = valid[:, None] & em[None, :]
-            fq, qx = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
-            fq = fq * scale
-            do = tl.load(DO + b * sdb + h * sdh + n[:, None] * sdn + e[None, :], mask=rmask, other=0.0).to(tl.float32)
+            fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+            vv = _load_rows(V + b * svb + hk * svh, n, valid, svn, e, em)
+            tri = j[:, None] >= j[None, :]
+        if NORMALIZE:
+            den = tl.sum(fq * zt[None, :], 1)
             if CAUSAL:
-                fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
-                vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=rmask, other=0.0)
-                tri = j[:, None] >= j[None, :]
+                a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
+                den += mii * tl.sum(tl.where(tri, a, 0.0), 1)
+            rinv = 1.0 / (den + eps)
+            o = _load_rows(O + b * sob + h * soh, n, valid, son, e, em).to(tl.float32)
+            ndo = -tl.sum(do * o, 1)
+            dden = ndo * rinv
+            dnum = do * rinv[:, None]
+        else:
+            rinv = tl.full((BT,), 1.0, tl.float32)
+            ndo = tl.zeros((BT,), tl.float32)
+            dnum = do
+        dfq = tl.dot(dnum.to(dt), tl.trans(st), input_precision=DOT_PREC)
+        if NORMALIZE:
+            dfq += dden[:, None] * zt[None, :]
+        if CAUSAL:
+            g = tl.dot(dnum.to(dt), tl.trans(vv.to(dt)), input_precision=DOT_PREC)
             if NORMALIZE:
-                den = tl.sum(fq * zt[None, :], 1)
-                if CAUSAL:
-                    a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
-                    den += mii * tl.sum(tl.where(tri, a, 0.0), 1)
-                rinv = 1.0 / (den + eps)
-                o = tl.load(O + b * sob + h * soh + n[:, None] * son + e[None, :], mask=rmask, other=0.0).to(tl.float32)
-                dden = -tl.sum(do * o, 1) * rinv
-                dnum = do * rinv[:, None]
-            else:
-                dnum = do
-            dfq = tl.dot(dnum.to(dt), tl.trans(st), input_precision=DOT_PREC)
-            if NORMALIZE:
-                dfq += dden[:, None] * zt[None, :]
-            if CAUSAL:
-                g = tl.dot(dnum.to(dt), tl.trans(vv.to(dt)), input_precision=DOT_PREC)
-                if NORMALIZE:
-                    g += dden[:, None]
-                da = tl.where(tri, g, 0.0) * mii
-                dfq += tl.dot(da.to(dt), fk.to(dt), input_precision=DOT_PREC)
-            dq = dfq * scale * _dphi(qx, PHI)
-            tl.store(DQ + b * sqb + h * sqh + n[:, None] * sqn + d[None, :], dq.to(DQ.dtype.element_ty),
-                     mask=valid[:, None] & dm[None, :])
-            dst += tl.dot(tl.trans(fq.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
-            if NORMALIZE:
-                dzt += tl.sum(fq * dden[:, None], 0)
-    out = DST + (bhm * M + m).to(tl.int64) * COLS
-    if ATOMIC:
-        tl.atomic_add(out + d[:, None] * DV + e[None, :], dst, mask=dm[:, None] & em[None, :])
-        tl.atomic_add(out + D * DV + d, dzt, mask=dm)
-    else:
-        tl.store(out + d[:, None] * DV + e[None, :], dst, mask=dm[:, None] & em[None, :])
-        tl.store(out + D * DV + d, dzt, mask=dm)
+                g += dden[:, None]
+            da = tl.where(tri, g, 0.0) * mii
+            dfq += tl.dot(da.to(dt), fk.to(dt), input_precision=DOT_PREC)
+        dq = dfq * scale * _dphi(qx, PHI)
+        tl.store(DQ + b * sqb + h * sqh + n[:, None] * sqn + d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=valid[:, None] & dm[None, :])
+        tl.store(wp + n, rinv, mask=valid)
+        tl.store(wp + nt + n, ndo, mask=valid)
 
 
 @triton.jit
 def _bwd_key_kernel(
-    Q, K, V, O, DO, ST, MIX, DS, DK, DVV, DMII,
-    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
-    H, HKV, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
+    Q, K, V, DO, MIX, DS, W, DK, DVV, DMII,
+    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
+    H, HKV, M, COLS: tl.constexpr, MIX_SH, scale,
     L0, L1, L2, S0, S1, S2, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, HKV_GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, HKV_GROUP: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """dk, dv of one key tile from dS_b = Σ_i m_ib dS̃_i: dφ(k) = v dS_bᵀ + dz_b, dv = φ(k) dS_b;
-    causal adds the own-chunk terms (summed over the query heads of this key head) and writes
-    each head's ∂/∂m_ii = Σ A ⊙ (dnum vᵀ + dden) over the chunk."""
-    bh, m, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """dk, dv of token tiles of block b from dS_b = Σ_i m_ib dS̃_i (loaded once): dφ(k) = v dS_bᵀ + dz_b,
+    dv = φ(k) dS_b; causal adds the own-chunk terms (summed over the query heads of this key head, with
+    dnum and dden from the query side's W) and writes each head's ∂/∂m_ii = Σ A ⊙ (dnum vᵀ + dden) over
+    the chunk (a causal chunk is one tile)."""
+    _chained(PDL)
+    bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hk = (bh // HKV).to(tl.int64), bh % HKV
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
-    j = tile * BT + tl.arange(0, BT)
-    n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-    rmask = valid[:, None] & em[None, :]
-    fk, kx = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
-    vv = tl.load(V + b * svb + hk * svh + n[:, None] * svn + e[None, :], mask=rmask, other=0.0)
-    dt = vv.dtype
     dsp = DS + (bh * M + m).to(tl.int64) * COLS
-    ds = tl.load(dsp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0).to(dt)
-    dfk = tl.dot(vv, tl.trans(ds), input_precision=DOT_PREC)
+    ds = tl.load(dsp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0).to(K.dtype.element_ty)
+    dt = ds.dtype  # (the input's: dS may be float32)
     if NORMALIZE:
-        dfk += tl.load(dsp + D * DV + d, mask=dm, other=0.0)[None, :]
-    dv = tl.dot(fk.to(dt), ds, input_precision=DOT_PREC)
-    if CAUSAL:
-        tri = j[:, None] >= j[None, :]
-        for r in range(HKV_GROUP):
-            h = hk * HKV_GROUP + r
-            mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
-            fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
-            fq = fq * scale
-            do = tl.load(DO + b * sdb + h * sdh + n[:, None] * sdn + e[None, :], mask=rmask, other=0.0).to(tl.float32)
-            a = tl.where(tri, tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC), 0.0)
-            if NORMALIZE:
-                sp = ST + ((b * HMIX + h // HMIX_GROUP) * M + m) * COLS
-                zt = tl.load(sp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
-                rinv = 1.0 / (tl.sum(fq * zt[None, :], 1) + mii * tl.sum(a, 1) + eps)
-                o = tl.load(O + b * sob + h * soh + n[:, None] * son + e[None, :], mask=rmask, other=0.0).to(tl.float32)
-                dden = -tl.sum(do * o, 1) * rinv
+        dz = tl.load(dsp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
+    nt = L0 * L1 * L2
+    for t in range(TILES_PER_PROG):
+        j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
+        n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+        rmask = valid[:, None] & em[None, :]
+        fk, kx = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+        vv = _load_rows(V + b * svb + hk * svh, n, valid, svn, e, em)
+        dfk = tl.dot(vv, tl.trans(ds), input_precision=DOT_PREC)
+        if NORMALIZE:
+            dfk += dz[None, :]
+        dv = tl.dot(fk.to(dt), ds, input_precision=DOT_PREC)
+        if CAUSAL:
+            tri = j[:, None] >= j[None, :]
+            for r in range(HKV_GROUP):
+                h = hk * HKV_GROUP + r
+                mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
+                fq, _ = _load_phi(Q + b * sqb + h * sqh, n, valid, sqn, d, dm, PHI)
+                fq = fq * scale
+                wp = W + (b * H + h) * 2 * nt
+                do = _load_rows(DO + b * sdb + h * sdh, n, valid, sdn, e, em).to(tl.float32)
+                rinv = tl.load(wp + n, mask=valid, other=0.0)
                 dnum = do * rinv[:, None]
-            else:
-                dnum = do
-            g = tl.dot(dnum.to(dt), tl.trans(vv), input_precision=DOT_PREC)
-            if NORMALIZE:
-                g += dden[:, None]
-            g = tl.where(tri, g, 0.0)
-            dfk += mii * tl.dot(tl.trans(g.to(dt)), fq.to(dt), input_precision=DOT_PREC)
-            dv += mii * tl.dot(tl.trans(a.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
-            tl.store(DMII + (b * H + h) * M + m, tl.sum(tl.sum(a * g, 1), 0))
-    dk = dfk * _dphi(kx, PHI)
-    tl.store(DK + b * skb + hk * skh + n[:, None] * skn + d[None, :], dk.to(DK.dtype.element_ty),
-             mask=valid[:, None] & dm[None, :])
-    tl.store(DVV + b * svb + hk * svh + n[:, None] * svn + e[None, :], dv.to(DVV.dtype.element_ty), mask=rmask)
+                a = tl.where(tri, tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC), 0.0)
+                g = tl.dot(dnum.to(dt), tl.trans(vv), input_precision=DOT_PREC)
+                if NORMALIZE:  # + dden = −(do·o) / (den + eps)
+                    g += (tl.load(wp + nt + n, mask=valid, other=0.0) * rinv)[:, None]
+                g = tl.where(tri, g, 0.0)
+                dfk += mii * tl.dot(tl.trans(g.to(dt)), fq.to(dt), input_precision=DOT_PREC)
+                dv += mii * tl.dot(tl.trans(a.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
+                tl.store(DMII + (b * H + h) * M + m, tl.sum(tl.sum(a * g, 1), 0))
+        dk = dfk * _dphi(kx, PHI)
+        tl.store(DK + b * skb + hk * skh + n[:, None] * skn + d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=valid[:, None] & dm[None, :])
+        tl.store(DVV + b * svb + hk * svh + n[:, None] * svn + e[None, :], dv.to(DVV.dtype.element_ty), mask=rmask)
 
 
 @triton.jit
 def _dmix_kernel(
     DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT,
     SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """PART[(b, p, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser);
     the host sums the partials over batch, splits (and heads when the mixing is shared)."""
+    _chained(PDL)
     pid, pi, pj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sp, bp = pid % SPLIT, pid // SPLIT
     b, p = bp // HMIX, bp % HMIX

@@ -1,10 +1,12 @@
 """The Triton backend of `mhla_attention`: launches the kernels of `mhla_kernels` and wraps them
 in an autograd Function whose backward also yields the gradient of the (learnable) mixing.
 
-Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, dS̃)
-→ mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and
-M ≤ 128 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one
-pass over dS̃. The float32 summaries and the mixed ones (in the input dtype for half inputs: they
+Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, and per
+token 1/(den + eps) and −do·o) → dS̃ by the summaries kernel over φ(q) and do, weighted by those →
+mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
+one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
+dS̃. (dq and dS̃ were one kernel: its dS̃ accumulator held it at one program per SM.) On Hopper the
+launches are chained by programmatic dependent launch (`PDL`). The float32 summaries and the mixed ones (in the input dtype for half inputs: they
 are a matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far
 below the activations for M ≪ N. Inference (no autograd) keeps nothing, writes the summaries in the
 input's half precision and mixes them in one tile of all M blocks (M ≤ 128) or, for many blocks,
@@ -41,25 +43,32 @@ MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of be
 # M = 16), float32 inputs and grouped heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
 MIX_SWEEP: dict = {(128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2), (128, "float"): (64, 8, 3, 1),
                    (128, "grad"): (32, 8, 3, 1), (64, "grad"): (32, 4, 3, 2)}
-# (D, Dv) -> (warps, stages) of the backward kernels; absent = (the plan's warps, Triton's default). Empty:
-# `kernel_breakdown.py --bwd-sweep` found nothing beyond noise (docs/benchmarks.md)
-BWD_CONFIGS: dict = {}
 MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: causal 32k (M = 512)
 # forward 0.755 -> 0.454 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
 SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
 # launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
-# --fwd-sweep` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
+# --sweep fwd` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
 # split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms. SANA (D = 32) is best at the default (4 warps, 3 stages).
 FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
-# the non-causal summaries and readout launches' own (warps, stages, register cap) per head dims, where they
-# differ from FWD_CONFIGS (`kernel_breakdown.py --summaries-sweep / --readout-sweep`): a register cap lets one
-# more program share the SM. Wan: summaries 0.093 -> 0.088 ms (8 warps, 2 programs per SM); readout 0.096 ->
-# 0.091 (1 stage, so 4 programs per SM fit in shared memory, not 3: 1,260 programs fill 2.4 waves, not 3.2)
-SUMMARIES_CONFIGS: dict = {(128, 128): (8, 3, 128)}
-READOUT_CONFIGS: dict = {(128, 128): (4, 1, 128)}
+# each non-causal launch's own (warps, stages, register cap[, token tile]) per head dims, over the defaults
+# above (`kernel_breakdown.py --sweep LAUNCH`, docs/benchmarks.md): a register cap lets one more program share
+# the SM. Wan: summaries 0.093 -> 0.088 ms (8 warps, 2 programs per SM); readout 0.096 -> 0.091 (1 stage, so 4
+# programs per SM fit in shared memory, not 3); dq ("bwd_queries") 0.239 -> 0.186 (3 programs per SM of 32-token
+# tiles); dk, dv ("bwd_keys") 0.180 -> 0.157. DiT: dq 0.149 -> 0.114, dk, dv 0.117 -> 0.099 (its summaries
+# gained 0.006 ms at 16k tokens with 32-token tiles but lost 0.02 at 1,024, split over programs). "bwd_summaries"
+# is dS̃ (the summaries kernel, weighted)
+LAUNCH_CONFIGS: dict = {
+    "summaries": {(128, 128): (8, 3, 128)},
+    "readout": {(128, 128): (4, 1, 128)},
+    "bwd_queries": {(128, 128): (4, 1, 168, 32), (72, 72): (4, 1, 168, 32)},
+    "bwd_summaries": {},
+    "bwd_keys": {(128, 128): (8, 2, 128, 64), (72, 72): (8, 2, 128, 64)},
+}
 
+
+PDL = True  # chain each operator's launches by programmatic dependent launch (Hopper and later; `_chained`)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
 
@@ -105,17 +114,25 @@ def head_dim_parts(x: int) -> tuple[int, int]:
     return (lo, hi) if lo + hi < whole else (whole, 0)
 
 
-_SMS: dict = {}
+_PROPS: dict = {}
+
+
+def _props(device):
+    props = _PROPS.get(device.index)
+    if props is None:
+        props = _PROPS[device.index] = torch.cuda.get_device_properties(device)
+    return props
 
 
 def _programs_wanted(device) -> int:
     """Enough programs to fill the GPU a few times over (a split threshold, nothing more)."""
-    if device.type != "cuda":
-        return 1
-    sms = _SMS.get(device.index)
-    if sms is None:
-        sms = _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return PROGRAMS_PER_SM * sms
+    return PROGRAMS_PER_SM * _props(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _chain_kw(device) -> dict:
+    """Launch options of a chained launch: programmatic dependent launch where the GPU has it (sm_90+)."""
+    on = PDL and device.type == "cuda" and not interpreting() and _props(device).major >= 9
+    return dict(PDL=True, launch_pdl=True) if on else {}
 
 
 _LAUNCHERS: dict = {}
@@ -129,7 +146,7 @@ def _launch(fn, grid, args, kw, kw_key=None, key=None):
     if interpreting():
         return fn[grid](*args, **kw)
     if key is None:
-        key = (fn, grid, kw_key or tuple(kw.items()),
+        key = (id(fn), grid, kw_key or tuple(kw.items()),
                *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
     hit = _LAUNCHERS.get(key)
     if hit is None:
@@ -228,26 +245,27 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     )
 
 
-def _settings_kw(p: _Plan, warps=None, stages=None) -> dict:
-    """Tile keyword arguments with a launch setting's warps (default: the plan's) and stages."""
-    kw = {**p.tile_kw(), "num_warps": warps or p.warps}
-    if stages is not None:
-        kw["num_stages"] = stages
-    return kw
+_FORWARD_SHAPED = ("summaries", "readout", "bwd_summaries")  # FWD_CONFIGS and head dims in two column parts
 
 
-def _fwd_kw(p: _Plan, launch: str) -> dict:
-    """Keyword arguments of the "summaries" or "readout" launch (warps, stages and, non-causal, the
-    token tile per head dims, and the launch's own settings)."""
-    warps, stages, tile = (*FWD_CONFIGS.get((p.dim, p.dv), ()), None, None, None)[:3]
-    kw = _settings_kw(p, warps, stages)
-    own = None if p.causal else {"summaries": SUMMARIES_CONFIGS, "readout": READOUT_CONFIGS}[launch].get((p.dim, p.dv))
+def _launch_kw(p: _Plan, launch: str) -> dict:
+    """Tile and launch keyword arguments of one launch (a key of LAUNCH_CONFIGS): the plan's (its warps,
+    Triton's default stages, its token tile), then FWD_CONFIGS for the summaries and readout shapes, then,
+    non-causal, the launch's own LAUNCH_CONFIGS entry. The summaries and readout shapes cover a head dim like
+    72 in two power-of-two column parts (`head_dim_parts`; non-causal)."""
+    kw = p.tile_kw()
+    fwd = launch in _FORWARD_SHAPED
+    warps, stages, tile = (*(FWD_CONFIGS.get((p.dim, p.dv), ()) if fwd else ()), None, None, None)[:3]
+    cap = None
+    own = None if p.causal else LAUNCH_CONFIGS[launch].get((p.dim, p.dv))
     if own:
-        kw.update(num_warps=own[0], num_stages=own[1], **({"maxnreg": own[2]} if own[2] else {}))
-    if tile is not None and not p.causal:
+        warps, stages, cap, tile = (*own, tile)[:4]
+    kw["num_warps"] = warps or p.warps
+    kw.update({"num_stages": stages} if stages else {}, **({"maxnreg": cap} if cap else {}))
+    if tile and not p.causal:
         kw["BT"] = min(tile, _p2(p.geometry["T"]))
     (bd, bdh), (bdv, bdvh) = head_dim_parts(p.dim), head_dim_parts(p.dv)
-    if SPLIT_HEAD_DIMS and not p.causal and (bdh or bdvh):
+    if fwd and SPLIT_HEAD_DIMS and not p.causal and (bdh or bdvh):
         kw.update(BD=bd, BDH=bdh, BDV=bdv, BDVH=bdvh)
     return kw
 
@@ -264,40 +282,44 @@ def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of every launch: grids, integer
     arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
     wanted = _programs_wanted(device)
-    settings = (FWD_CONFIGS, SUMMARIES_CONFIGS, READOUT_CONFIGS, BWD_CONFIGS)
-    key = (id(p), device, wanted, *(c.get((p.dim, p.dv)) for c in settings), MIX_TILES, tuple(MIX_SWEEP.items()),
-           TILE_TOKENS, SPLIT_HEAD_DIMS)
+    chain = _chain_kw(device)
+    dims = (p.dim, p.dv)
+    key = (id(p), device, wanted, FWD_CONFIGS.get(dims), *(c.get(dims) for c in LAUNCH_CONFIGS.values()), MIX_TILES,
+           tuple(MIX_SWEEP.items()), TILE_TOKENS, SPLIT_HEAD_DIMS, bool(chain))
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
-        fwd = _fwd_kw(p, "readout")
-        nt = _cdiv(p.geometry["T"], fwd["BT"])
+
+        def launch(name, heads, ints, atomic=False, **extra):
+            """(grid, ints, kw, kw key) of a launch over (batch x heads, blocks, splits of each block's tiles);
+            `atomic`: the kernel adds float32 partials (ATOMIC) when a block is split."""
+            kw = {**_launch_kw(p, name), **extra}
+            splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, wanted)
+            kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **chain, **({"ATOMIC": splits > 1} if atomic else {}))
+            return (p.batch * heads, p.m, splits), ints, kw, tuple(kw.items())
+
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
-        s_splits, s_per = _split(nt, p.batch * p.kv_heads * p.m, wanted)
-        s_kw = dict(TILES_PER_PROG=s_per, ATOMIC=s_splits > 1, DOT_PREC=p.prec, **_fwd_kw(p, "summaries"))
-        r_splits, r_per = _split(nt, p.batch * p.heads * p.m, wanted)
-        r_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, TILES_PER_PROG=r_per, **p.heads_kw(),
-                    **fwd)
-        nt_b = _cdiv(p.geometry["T"], p.bt)  # the backward's token tile is the plan's
-        q_splits, q_per = _split(nt_b, p.batch * p.mix_heads * p.m, wanted)
-        bq_kw = dict(TILES_PER_PROG=q_per, NORMALIZE=p.normalize, CAUSAL=p.causal, ATOMIC=q_splits > 1, DOT_PREC=p.prec,
-                     **p.heads_kw(), **_bwd_kw(p))
-        bk_kw = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, DOT_PREC=p.prec, **p.heads_kw(), **_bwd_kw(p))
-        rows = (*qs, *ks, *vs, *os_, *os_)  # q, k, v, o and do (made contiguous)
-        hit = dict(plan=p, s_zero=s_splits > 1, dst_zero=q_splits > 1,
-                   summaries=((p.batch * p.kv_heads, p.m, s_splits), (*ks, *vs, p.kv_heads, p.m, p.cols), s_kw, tuple(s_kw.items())),
-                   readout=((p.batch * p.heads, p.m, r_splits), (*qs, *ks, *vs, *os_, p.heads), r_kw, tuple(r_kw.items())),
-                   **{kind: _mix_launch(p, wanted, kind) for kind in ("mix", "mix_half", "mix_t")},
-                   bwd_queries=((p.batch * p.mix_heads, p.m, q_splits), (*rows, p.heads), bq_kw, tuple(bq_kw.items())),
-                   bwd_keys=((p.batch * p.kv_heads, p.m, nt_b), (*rows, p.heads, p.kv_heads), bk_kw, tuple(bk_kw.items())),
-                   dmix=_dmix_launch(p, wanted))
+        heads = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, **p.heads_kw())
+        hit = dict(
+            plan=p,
+            summaries=launch("summaries", p.kv_heads, (*ks, *vs, p.kv_heads, p.m, p.cols), atomic=True),
+            readout=launch("readout", p.heads, (*qs, *ks, *vs, *os_, p.heads), **heads),
+            **{kind: _mix_launch(p, wanted, kind, chain) for kind in ("mix", "mix_half", "mix_t")},
+            bwd_queries=launch("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **heads),
+            # dS̃ and dz̃: the summaries of φ(q) and dnum (`_summaries_kernel`, WEIGHTED)
+            bwd_summaries=launch("bwd_summaries", p.mix_heads, (*qs, *os_, p.mix_heads, p.m, p.cols), atomic=True,
+                                 GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale),
+            bwd_keys=launch("bwd_keys", p.kv_heads, (*qs, *ks, *vs, *os_, p.heads, p.kv_heads), NORMALIZE=p.normalize,
+                            CAUSAL=p.causal, HKV_GROUP=p.heads // p.kv_heads, M=p.m, COLS=p.cols, MIX_SH=p.mix_sh,
+                            scale=p.scale),
+            dmix=_dmix_launch(p, wanted, chain))
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
     return hit
 
 
-def _mix_launch(p: _Plan, wanted: int, kind: str):
+def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
     """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
     summaries: training) and "mix_half" (half ones: inference): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
@@ -314,11 +336,11 @@ def _mix_launch(p: _Plan, wanted: int, kind: str):
         bn, warps, stages, per_sm = sweep
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, wanted * per_sm // PROGRAMS_PER_SM))
         kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind == "mix_t",
-                  num_warps=warps, num_stages=stages)
+                  num_warps=warps, num_stages=stages, **chain)
         return K._mix_sweep_kernel, ((p.batch * h_out, splits), (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides), kw,
                                      tuple(kw.items()))
     bm, bn, bk, warps = MIX_TILES
-    kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps)
+    kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **chain)
     ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides)
     return K._mix_kernel, ((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items()))
 
@@ -326,7 +348,8 @@ def _mix_launch(p: _Plan, wanted: int, kind: str):
 def _run(fn, launch, tensors):
     """One of `_static`'s launches: tensors first, then the launch's integer arguments."""
     grid, ints, kw, kw_key = launch
-    key = None if interpreting() else (fn, grid, kw_key, ints, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    # (id(fn): hashing a JITFunction takes a lock and a property on every launch)
+    key = None if interpreting() else (id(fn), grid, kw_key, ints, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     _launch(fn, grid, (*tensors, *ints), kw, kw_key, key)
 
 
@@ -336,9 +359,10 @@ def _summaries(p: _Plan, k, v, half: bool = False, f=None):
     here and read by the mixing GEMM: inference only, as the mixing gradient reads them too.
     `f`: `_static(p, k.device)` when the caller has it."""
     f = f or _static(p, k.device)
-    half = half and not f["s_zero"] and k.dtype != torch.float32
-    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype if half else torch.float32, zero=f["s_zero"])
-    _run(K._summaries_kernel, f["summaries"], (k, v, s))
+    split = f["summaries"][2]["ATOMIC"]
+    half = half and not split and k.dtype != torch.float32
+    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype if half else torch.float32, zero=split)
+    _run(K._summaries_kernel, f["summaries"], (k, v, s, k))  # (k: a placeholder for the weights W)
     return s
 
 
@@ -378,17 +402,20 @@ def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
     return s, st, o
 
 
-def _bwd_kw(p: _Plan) -> dict:
-    """Launch settings of the two backward kernels per head dims (`BWD_CONFIGS`: warps, stages)."""
-    return _settings_kw(p, *BWD_CONFIGS.get((p.dim, p.dv), ()))
-
-
 def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing, f):
-    """dq, and dS̃ (float32) for the mixing GEMM and the mixing gradient."""
-    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=f["dst_zero"])
+    """dq, and the per-token weights W (B, H, 2, N) = (1/(den + eps), −do·o) that dS̃ and the key side read."""
     dq = _new(*q.shape, device=q.device, dtype=q.dtype)
-    _run(K._bwd_query_kernel, f["bwd_queries"], (q, k, v, o, do, st, mixing, dq, dst))
-    return dq, dst
+    w = _new(p.batch, p.heads, 2, p.tokens, device=q.device, dtype=torch.float32)
+    _run(K._bwd_query_kernel, f["bwd_queries"], (q, k, v, o, do, st, mixing, dq, w))
+    return dq, w
+
+
+def _bwd_summaries(p: _Plan, q, do, w, f):
+    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head (float32), by the summaries kernel."""
+    launch = f["bwd_summaries"]
+    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=launch[2]["ATOMIC"])
+    _run(K._summaries_kernel, launch, (q, do, dst, w))
+    return dst
 
 
 def _mix_t(p: _Plan, mixing, dst, s, dtype, f):
@@ -404,26 +431,27 @@ def _mix_t(p: _Plan, mixing, dst, s, dtype, f):
     return ds, part
 
 
-def _bwd_keys(p: _Plan, q, k, v, o, do, st, mixing, ds, f):
+def _bwd_keys(p: _Plan, q, k, v, do, mixing, ds, w, f):
     """dk, dv from dS = mixingᵀ dS̃, and (causal) each head's ∂/∂m_ii."""
     dev = q.device
     dk, dv = _new(*k.shape, device=dev, dtype=k.dtype), _new(*v.shape, device=dev, dtype=v.dtype)
     dmii = _new(p.batch, p.heads, p.m, device=dev, dtype=torch.float32) if p.causal else dk
-    _run(K._bwd_key_kernel, f["bwd_keys"], (q, k, v, o, do, st, mixing, ds, dk, dv, dmii))
+    _run(K._bwd_key_kernel, f["bwd_keys"], (q, k, v, do, mixing, ds, w, dk, dv, dmii))
     return dk, dv, dmii
 
 
 def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's."""
     f = _static(p, q.device)
-    dq, dst = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
+    dq, w = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
+    dst = _bwd_summaries(p, q, do, w, f)
     ds, part = _mix_t(p, mixing, dst, s, st.dtype, f)
-    dk, dv, dmii = _bwd_keys(p, q, k, v, o, do, st, mixing, ds, f)
+    dk, dv, dmii = _bwd_keys(p, q, k, v, do, mixing, ds, w, f)
     dmix = _mixing_grad(p, dst, s, part, dmii, f).to(mixing.dtype) if need_mixing else None
     return dq, dk, dv, dmix
 
 
-def _dmix_launch(p: _Plan, wanted: int):
+def _dmix_launch(p: _Plan, wanted: int, chain: dict):
     """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
     bm = bn = 64 if p.m > 32 else 32
     bk = 32
@@ -431,7 +459,7 @@ def _dmix_launch(p: _Plan, wanted: int):
     splits = max(1, min(_cdiv(p.cols, bk), _cdiv(wanted, p.batch * p.mix_heads * tiles)))
     split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
     splits = _cdiv(p.cols, split_cols)
-    kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4)
+    kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4, **chain)
     ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
     return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw, tuple(kw.items())
 
