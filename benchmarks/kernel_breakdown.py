@@ -2,13 +2,12 @@
 launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
 per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
 
-    python benchmarks/kernel_breakdown.py [--shapes a,b] [--fwd-sweep | --bwd-sweep | --summaries-sweep |
-                                           --readout-sweep | --mix-sweep | --regs | --once SHAPE]
+    python benchmarks/kernel_breakdown.py [--shapes a,b] [--sweep fwd,summaries,... | --mix-sweep | --regs | --once SHAPE]
 
---fwd-sweep times the forward per (warps, stages, token tile) setting of the summaries
-and readout launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim), --bwd-sweep the
-backward per (warps, stages) of its two kernels (`BWD_CONFIGS`), --summaries-sweep and --readout-sweep
-one launch per (warps, stages, register cap) (`SUMMARIES_CONFIGS`, `READOUT_CONFIGS`); --mix-sweep each mixing launch per one-tile
+--sweep fwd times the forward per (warps, stages, token tile) setting of the summaries and readout
+launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim); --sweep LAUNCH (summaries, readout,
+bwd_queries, bwd_summaries, bwd_keys) one launch per (warps, stages, register cap[, token tile]) of its
+`LAUNCH_CONFIGS` entry; --mix-sweep each mixing launch per one-tile
 launch shape (`MIX_SWEEP`) and through the row-tiled `MIX_TILES` kernel;
 --regs the registers, spills and shared memory of every kernel compiled by a forward and backward per shape.
 """
@@ -33,7 +32,7 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "sana-16384": (70, 32, BlockLayout.create((128, 128), (8, 8)), False),
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
-KNOBS = [("default", {}), ("MATMUL_MIX_MIN_BLOCKS", {"MATMUL_MIX_MIN_BLOCKS": 0}),
+KNOBS = [("default", {}), ("PDL", {"PDL": False}), ("MATMUL_MIX_MIN_BLOCKS", {"MATMUL_MIX_MIN_BLOCKS": 0}),
          ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False})]
 
 
@@ -67,51 +66,72 @@ def breakdown(heads, dim, layout, causal, backward=True):
 
 def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
     f = MT._static(plan, q.device)
-    dq, dst = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
+    dq, w = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
+    dst = MT._bwd_summaries(plan, q, do, w, f)
     ds, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
-    _, _, dmii = MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds, f)
+    _, _, dmii = MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)
     return dict(
         bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
         bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)),
+        bwd_dst=t(lambda: MT._bwd_summaries(plan, q, do, w, f)),
         bwd_mixT=t(lambda: MT._mix_t(plan, mixing, dst, s, st.dtype, f)),
-        bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, o, do, st, mixing, ds, f)),
+        bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)),
         bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, part, dmii, f)),
     )
 
 
-# launch settings tried per shape, against an empty FWD_CONFIGS / BWD_CONFIGS / SUMMARIES_CONFIGS / READOUT_CONFIGS
-# (the plan's warps, Triton's default stages, TILE_TOKENS): forward (warps, stages, token tile), backward (warps,
-# stages), summaries and readout (warps, stages, register cap)
+# launch settings tried per shape, against an empty entry (the plan's warps, Triton's default stages, its token tile):
+# --sweep fwd sets FWD_CONFIGS (warps, stages, token tile) of the summaries and readout; --sweep LAUNCH one
+# launch's LAUNCH_CONFIGS entry (warps, stages, register cap[, token tile]). name -> (timed key, settings)
 SWEEPS = {
-    "fwd": ("FWD_CONFIGS", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 2, 128), (4, 2, 32)]),
-    "bwd": ("BWD_CONFIGS", [(4, None), (8, None), (4, 2), (8, 2), (4, 3), (8, 1)]),
-    "summaries": ("SUMMARIES_CONFIGS", [(8, 2, 128), (8, 3, 128), (8, 2, None), (4, 3, None), (8, 4, 128), (4, 2, 168)]),
-    "readout": ("READOUT_CONFIGS", [(4, 2, None), (4, 1, 128), (4, 2, 128), (4, 1, None)]),
+    "fwd": ("fwd", [(4, 2), (4, 3), (8, 2), (8, 3), (4, 2, 128), (4, 2, 32)]),
+    "summaries": ("infer_summaries", [(8, 3, 128), (8, 2, 128), (8, 3, 128, 32), (8, 4, 128, 32), (4, 3, 168, 32),
+                                      (8, 3, None, 32)]),
+    "readout": ("readout", [(4, 1, 128), (4, 2, 128, 32), (4, 2, 96, 32), (4, 3, 128, 32), (4, 1, 128, 32), (8, 2, 128),
+                            (4, 2, None, 32), (8, 3, 128, 32)]),
+    "bwd_queries": ("bwd_q", [(4, 2, 168, 32), (4, 3, 168, 32), (4, 1, 168, 32), (4, 2, 128, 32), (8, 2, 128, 32),
+                              (8, 2, None, 32), (4, 2, 168, 64), (4, 2, 168, 16)]),
+    "bwd_summaries": ("bwd_dst", [(8, 3, 128), (8, 2, 128), (8, 3, None), (4, 2, None), (4, 3, None)]),
+    "bwd_keys": ("bwd_k", [(8, 3, None, 64), (8, 2, 128, 64), (8, 3, 128, 64), (4, 3, None, 32), (4, 2, 168, 32),
+                           (8, 3, 168, 64)]),
 }
 
 
+def _set_configs(kind, value):
+    if kind == "fwd":
+        MT.FWD_CONFIGS = value
+    else:
+        MT.LAUNCH_CONFIGS[kind] = value
+
+
 def config_sweep(kind):
-    """The forward (or backward) per launch setting, one shape at a time, and per head dim the setting
+    """One launch (or the forward) per launch setting, one shape at a time, and per head dim the setting
     of least summed time over its shapes (each shape relative to the default)."""
-    attr, settings = SWEEPS[kind]
-    saved = getattr(MT, attr)
-    print(f"| shape | {attr} entry | " + " | ".join(breakdown_keys(kind)) + " | (ms) |")
+    timed, settings = SWEEPS[kind]
+    saved = MT.FWD_CONFIGS if kind == "fwd" else MT.LAUNCH_CONFIGS[kind]
+    backward = timed.startswith("bwd")
+    print(f"| shape | {kind} setting | " + " | ".join(breakdown_keys(backward)) + " | (ms) |")
     totals = {}
     for shape, (heads, dim, layout, causal) in SHAPES.items():
         for cfg in [None, *settings]:
-            setattr(MT, attr, {} if cfg is None else {(dim, dim): cfg})
-            r = breakdown(heads, dim, layout, causal, backward=kind == "bwd")
-            ref = r[kind] if cfg is None else ref
+            _set_configs(kind, {} if cfg is None else {(dim, dim): cfg})
+            try:
+                r = breakdown(heads, dim, layout, causal, backward=backward)
+            except triton.runtime.errors.OutOfResources as err:
+                print(f"| {shape} | {cfg} | {err} |", flush=True)
+                continue
+            ref = r[timed] if cfg is None else ref
             totals.setdefault(dim, {}).setdefault(cfg, 0.0)
-            totals[dim][cfg] += r[kind] / ref
+            totals[dim][cfg] += r[timed] / ref
             print(f"| {shape} | {cfg or 'default'} | " + " | ".join(f"{r[key]:.3f}" for key in r) + " |", flush=True)
-    setattr(MT, attr, saved)
+    _set_configs(kind, saved)
     print("best per head dim:", {dim: min(t, key=t.get) for dim, t in totals.items()})
 
 
-def breakdown_keys(kind):
+def breakdown_keys(backward=True):
     fwd = ["rel. err x1e3", "summaries", "mix", "fwd", "infer", "infer: summaries", "infer: mix", "readout"]
-    return fwd + (["bwd", "bwd: queries", "mixT (+ dmix partials: one-tile)", "keys", "dmix"] if kind == "bwd" else [])
+    return fwd + (["bwd", "bwd: dq", "bwd: dS̃ (summaries)", "mixT (+ dmix partials: one-tile)", "keys", "dmix"]
+                  if backward else [])
 
 
 # (BN, warps, stages, programs per SM) of the one-tile mixing kernel, per operand kind (`MT.MIX_SWEEP`)
@@ -204,11 +224,12 @@ def main():
         if flag in sys.argv:
             return fn()
 
-    for kind in SWEEPS:
-        if f"--{kind}-sweep" in sys.argv:
-            return config_sweep(kind)
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS")}
-    print("| shape | setting | " + " | ".join(breakdown_keys("bwd")) + " | (ms) |")
+    if "--sweep" in sys.argv:
+        for kind in sys.argv[sys.argv.index("--sweep") + 1].split(","):
+            config_sweep(kind)
+        return
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL")}
+    print("| shape | setting | " + " | ".join(breakdown_keys()) + " | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:
             for name, value in {**defaults, **change}.items():

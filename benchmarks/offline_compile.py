@@ -32,13 +32,14 @@ H200_SMS = 132
 # launch name -> pointer types of its tensors, in order (bf16 inputs; summaries as `_forward` writes them;
 # the one-tile mixing kernel adds the float32 summaries and gradient partials; dS as that kernel writes it)
 POINTERS = {
-    "summaries": ("*bf16", "*bf16", "*bf16"),
+    "summaries": ("*bf16",) * 4,
     "mix_half": ("*fp32", "*bf16", "*bf16"),
     "readout": ("*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*bf16"),
     "mix": ("*fp32", "*fp32", "*bf16"),
     "bwd_queries": ("*bf16",) * 6 + ("*fp32", "*bf16", "*fp32"),
+    "bwd_summaries": ("*bf16", "*bf16", "*fp32", "*fp32"),
     "mix_t": ("*fp32", "*fp32", "*bf16"),
-    "bwd_keys": ("*bf16",) * 6 + ("*fp32",) + ("*bf16",) * 3 + ("*fp32",),
+    "bwd_keys": ("*bf16",) * 4 + ("*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*fp32"),
 }
 
 
@@ -83,7 +84,7 @@ def main():
             del SHAPES[name]
     MT._programs_wanted = lambda device: MT.PROGRAMS_PER_SM * H200_SMS  # the H200's launch splits, on any machine
     kernels = dict(summaries=MT.K._summaries_kernel, readout=MT.K._readout_kernel, bwd_queries=MT.K._bwd_query_kernel,
-                   bwd_keys=MT.K._bwd_key_kernel)
+                   bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel)
     print("| shape | launch | kernel | grid | warps, stages | registers | stack | shared memory | global memory ops (per thread, in the PTX) |")
     for shape, (heads, dim, layout, causal) in SHAPES.items():
         q = torch.empty(1, layout.num_tokens, heads, dim, dtype=torch.bfloat16, device="meta")
