@@ -6,12 +6,13 @@ token 1/(den + eps) and −do·o) → dS̃ by the summaries kernel over φ(q) an
 mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
 dS̃. (dq and dS̃ were one kernel: its dS̃ accumulator held it at one program per SM.) On Hopper the
-launches are chained by programmatic dependent launch (`PDL`). The float32 summaries and the mixed ones (in the input dtype for half inputs: they
-are a matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far
-below the activations for M ≪ N. Inference (no autograd) keeps nothing, writes the summaries in the
-input's half precision and mixes them in one tile of all M blocks (M ≤ 128) or, for many blocks,
-with torch.matmul. (Training keeps float32 summaries for the mixing gradient: half ones put it
-outside the tests' bound on few blocks, docs/benchmarks.md; the forward mixing rounds them to half.)
+launches are chained by programmatic dependent launch (`PDL`). The float32 summaries and the mixed
+ones (in the input dtype for half inputs: they are a matmul operand, as in fla) are kept from forward
+to backward: (B·H·M·D·Dv) floats each, far below the activations for M ≪ N. Inference (no autograd)
+keeps nothing, writes the summaries in the input's half precision and mixes them in one tile of all M
+blocks (M ≤ 128) or, for many blocks, with torch.matmul. (Training keeps float32 summaries for the
+mixing gradient: half ones put it outside the tests' bound on few blocks, docs/benchmarks.md; the
+forward mixing rounds them to half.)
 """
 
 from __future__ import annotations
