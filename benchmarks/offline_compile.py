@@ -1,6 +1,7 @@
 """Compile the MHLA kernels for an H100/H200 (sm_90) on any machine, GPU or not, and print what each
-launch of the target shapes costs in resources: registers and stack per thread, shared memory, and how
-its global loads and stores are issued (`ld.global.v4` = 16 bytes at a time, `ld.global.b16` = one
+launch of the target shapes costs in resources: registers and stack per thread, shared memory, the
+SASS instruction count (static: how much index arithmetic a tile costs), and how its global loads and
+stores are issued (`ld.global.v4` = 16 bytes at a time, `ld.global.b16` = one
 half-precision value, `cp.async` = pipelined copies into shared memory).
 
     python benchmarks/offline_compile.py [--shapes wan-31500,dit-16384]   (the shapes of kernel_breakdown.py)
@@ -64,17 +65,20 @@ def compile_sm90(fn, args: dict, options: dict):
 
 
 def resources(kernel) -> dict:
-    """Registers and stack per thread (cuobjdump on the cubin), shared memory, and the PTX's memory ops."""
+    """Registers and stack per thread and the SASS instruction count (cuobjdump on the cubin), shared
+    memory, and the PTX's memory ops."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
     ops: dict[str, int] = {}
     for op in re.findall(r"\b(ld\.global[\w.]*|st\.global[\w.]*|cp\.async\.c[ag]\.shared\.global)", kernel.asm["ptx"]):
         ops[op] = ops.get(op, 0) + 1
-    return dict(regs=int(regs), stack=int(stack), smem=kernel.metadata.shared, ops=ops)
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+    return dict(regs=int(regs), stack=int(stack), smem=kernel.metadata.shared, ops=ops, instructions=instructions)
 
 
 def main():
@@ -85,7 +89,8 @@ def main():
     MT._programs_wanted = lambda device: MT.PROGRAMS_PER_SM * H200_SMS  # the H200's launch splits, on any machine
     kernels = dict(summaries=MT.K._summaries_kernel, readout=MT.K._readout_kernel, bwd_queries=MT.K._bwd_query_kernel,
                    bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel)
-    print("| shape | launch | kernel | grid | warps, stages | registers | stack | shared memory | global memory ops (per thread, in the PTX) |")
+    print("| shape | launch | kernel | grid | warps, stages | registers | stack | shared memory | SASS instructions | "
+          "global memory ops (per thread, in the PTX) |")
     for shape, (heads, dim, layout, causal) in SHAPES.items():
         q = torch.empty(1, layout.num_tokens, heads, dim, dtype=torch.bfloat16, device="meta")
         mixing = torch.empty(layout.num_blocks, layout.num_blocks, device="meta")
@@ -101,7 +106,7 @@ def main():
             r = resources(compile_sm90(fn, {**dict(zip(fn.arg_names, (*pointers, *ints))), **kw}, options))
             ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
             print(f"| {shape} | {name} | {fn.__name__} | {grid} | {options['num_warps']}, {options['num_stages']} | {r['regs']} | "
-                  f"{r['stack']} | {r['smem']} | {ops} |", flush=True)
+                  f"{r['stack']} | {r['smem']} | {r['instructions']} | {ops} |", flush=True)
 
 
 if __name__ == "__main__":
