@@ -33,7 +33,8 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
 KNOBS = [("default", {}), ("PDL", {"PDL": False}), ("MATMUL_MIX_MIN_BLOCKS", {"MATMUL_MIX_MIN_BLOCKS": 0}),
-         ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False})]
+         ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False}), ("DZ_TILE_PRODUCT", {"DZ_TILE_PRODUCT": set()}),
+         ("HILO_SUMMARIES", {"HILO_SUMMARIES": False})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -54,11 +55,11 @@ def breakdown(heads, dim, layout, causal, backward=True):
     return dict(
         err_x1e3=err * 1e3,
         summaries=t(lambda: MT._summaries(plan, k, v)),
-        mix=t(lambda: MT._mix(plan, mixing, s, st, kind="mix")),
+        mix=t(lambda: MT._mix_summaries(plan, mixing, s, q.dtype)),
         fwd=t(lambda: MT._forward(plan, q, k, v, mixing)),
         infer=t(lambda: MT._inference(plan, q, k, v, mixing)),
         infer_summaries=t(lambda: MT._summaries(plan, k, v, half=True)),
-        infer_mix=t(lambda: MT._mix(plan, mixing, s_half, st, kind="mix_half")),
+        infer_mix=t(lambda: MT._mix_summaries(plan, mixing, s_half, q.dtype)),
         readout=t(lambda: MT._run(MT.K._readout_kernel, readout, (q, k, v, st, mixing, o))),
         **(_bwd_times(t, plan, q, k, v, mixing, s, st, o, do) if backward else {}),
     )
@@ -158,22 +159,26 @@ def mix_sweep():
     print("| shape | operand | (BN, warps, stages, programs per SM) | ms |")
     for shape, args in SHAPES.items():
         plan, q, k, v, mixing = _inputs(*args)
-        s, st, _ = MT._forward(plan, q, k, v, mixing)
+        _, st, o = MT._forward(plan, q, k, v, mixing)
         s_half = MT._forward(plan, q, k, v, mixing, half_summaries=True)[0]  # what inference mixes
-        dst = torch.randn(plan.batch, plan.mix_heads, plan.m, plan.cols, device="cuda")
+        s_float = torch.randn(plan.batch, plan.kv_heads, plan.m, plan.cols, device="cuda")
+        do = torch.randn_like(o)
         dmii = torch.zeros(plan.batch, plan.heads, plan.m, device="cuda")
         t = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
 
         def grad():
-            f = MT._static(plan, q.device)
             _, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
             MT._mixing_grad(plan, dst, s, part, dmii, f)
 
         launches = {"half": lambda: MT._mix(plan, mixing, s_half, st, kind="mix_half"),
-                    "float": lambda: MT._mix(plan, mixing, s, st, kind="mix"), "grad": grad}
+                    "float": lambda: MT._mix(plan, mixing, s_float, st, kind="mix"), "grad": grad}
         for kind, fn in launches.items():
             for tiles in [*MIX_SWEEP[kind], "row-tiled"]:
                 MT.MIX_SWEEP = {} if tiles == "row-tiled" else {(MT._p2(plan.m), kind): tiles}
+                # summaries and dS̃ as this setting's backward has them (float32, or hi + lo halves)
+                f = MT._static(plan, q.device)
+                s = MT._summaries(plan, k, v, f=f)
+                dst = MT._bwd_summaries(plan, q, do, MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)[1], f)
                 try:
                     print(f"| {shape} | {kind} | {tiles} | {t(fn):.4f} |", flush=True)
                 except triton.runtime.errors.OutOfResources as err:
@@ -228,7 +233,7 @@ def main():
         for kind in sys.argv[sys.argv.index("--sweep") + 1].split(","):
             config_sweep(kind)
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL")}
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL", "DZ_TILE_PRODUCT", "HILO_SUMMARIES")}
     print("| shape | setting | " + " | ".join(breakdown_keys()) + " | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:

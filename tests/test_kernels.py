@@ -197,12 +197,15 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_weighted_summaries_keep_float32_token_weights(dtype):
+@pytest.mark.parametrize("tile", [True, False], ids=["dz-tile-product", "dz-sum"])
+def test_weighted_summaries_keep_float32_token_weights(dtype, tile, monkeypatch):
     """dS̃ and dz̃ by the summaries kernel (WEIGHTED, heads grouped per mixed summary): each token's φ(q) row
     is scaled by scale·W[0] and rounded to half precision once, as the matmul operand of dS̃ it is; dz̃,
-    the sum of those rows weighted by W[1], stays float32 throughout."""
+    the sum of those rows weighted by W[1], keeps float32 precision (as a float32 sum, or a tile product of
+    hi + lo half parts)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
+    monkeypatch.setattr(mhla_triton, "DZ_TILE_PRODUCT", {(16, 24)} if tile else set())
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -227,6 +230,46 @@ def test_weighted_summaries_keep_float32_token_weights(dtype):
         assert err < tol, f"{name}: relative error {err:.1e} (a sum rounded to half precision?)"
 
 
+def _block_sums(x, y, layout):
+    """float64 Σ over each block's tokens of x_n y_nᵀ (B, H, M, Dx·Dy) for (B, N, H, D) x, y."""
+    onehot = torch.nn.functional.one_hot(layout.block_ids(x.device).flatten(), layout.num_blocks).double()
+    return torch.einsum("bnhd,bnhe,nm->bhmde", x.double(), y.double(), onehot).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
+    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient): hi + lo
+    hold them to 16 significant bits, and that kernel's gradient partials ⟨dS̃_i, S_j⟩ (dS̃ as halves too)
+    use both parts: within 1e-3 of float64 in bf16 (the rounded parts alone: ~2e-3), 1e-5 under the
+    interpreter in fp16 (~2e-4)."""
+    if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
+        pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad")})
+    device = "cuda" if CUDA else "cpu"
+    torch.manual_seed(0)
+    layout = BlockLayout.create((7, 9), (2, 3))
+    batch, heads, dim, dv = 2, 2, 16, 24
+    k = torch.randn(batch, layout.num_tokens, heads, dim, device=device).to(dtype)
+    v = torch.randn(batch, layout.num_tokens, heads, dv, device=device).to(dtype)
+    mixing = torch.rand(layout.num_blocks, layout.num_blocks, device=device)
+    plan = mhla_triton._plan(k, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"), normalize=True,
+                             scale=1.0, eps=1e-6)
+    f = mhla_triton._static(plan, k.device)
+    assert f["hilo"]
+    s = mhla_triton._summaries(plan, k, v, f=f)
+    fk = torch.relu(k.double())
+    want = torch.cat([_block_sums(fk, v, layout), _block_sums(fk, torch.ones_like(k[..., :1]), layout)], -1)
+    got = s[0].double() + s[1].double()
+    assert s.shape == (2, *want.shape) and ((got - want).norm() / want.norm()) < 1e-4
+    dst = torch.randn(*want.shape, device=device)
+    dst_hi = dst.to(dtype)  # (dS̃ as the dS̃ launch leaves it: hi + lo halves)
+    _, part = mhla_triton._mix_t(plan, mixing, torch.stack([dst_hi, (dst - dst_hi.float()).to(dtype)]), s, dtype, f)
+    grad = part.view(heads, batch, -1, plan.m, plan.m).sum(2).transpose(0, 1).double()  # (head, batch, split) rows
+    want_grad = torch.einsum("bhic,bhjc->bhij", dst.double(), want)
+    err = ((grad - want_grad).norm() / want_grad.norm()).item()
+    assert err < (1e-3 if CUDA else 1e-5), f"mixing gradient partials: relative error {err:.1e} (lo not added?)"
+
+
 @pytest.mark.parametrize("name", ["2d-odd-grid", "1d-gqa-shared", "3d-odd-grid-gqa-per-head-elu-unnorm",
                                   "causal-per-head-elu-unnorm", "causal-blocks"])
 def test_one_tile_mixing_in_training(name, monkeypatch):
@@ -245,6 +288,8 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     grouped = case[8] and case[4] != case[5]  # per-head mixing over grouped key heads: dS sums several heads
     assert False in sweeps and (True in sweeps) != grouped
     assert (mhla_triton.K._dmix_kernel in [fn for fn, _ in launched]) == grouped
+    hilo = [kw.get("HILO", False) for fn, kw in launched if fn is mhla_triton.K._summaries_kernel]
+    assert hilo == [not grouped] * 2  # (S and dS̃ as hi + lo halves where the one-tile kernel makes the gradient)
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")

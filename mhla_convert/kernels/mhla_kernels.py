@@ -81,6 +81,7 @@ def _summaries_kernel(
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
     GROUP: tl.constexpr = 1, WEIGHTED: tl.constexpr = False, scale=1.0, PDL: tl.constexpr = False,
+    HILO: tl.constexpr = False, LO=0, DZ_TILE: tl.constexpr = False,
 ):
     """S[b, s, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split), for
     the GROUP heads s·GROUP … of k and v.
@@ -89,14 +90,17 @@ def _summaries_kernel(
     query heads per mixed summary): with dnum = do / (den + eps) and dden = −(do·o) / (den + eps), each
     token's φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) and its z term weighted by
     W[b, h, 1, n] = −do·o (from `_bwd_query_kernel`), summed in float32 over the tile's tokens (not a tile
-    product: exact, and no extra operand in shared memory). The weight goes on φ, already in registers,
+    product: exact, and no extra operand in shared memory). DZ_TILE (head dims not split): dz̃ as a tile
+    product instead, φ rows and W[1] each as two half parts (hi + lo, 16 significant bits in bf16), so the
+    tile needs no reduction across warps per tile. The weight goes on φ, already in registers,
     and not on the loaded v tile: rescaling that tile before its product made Triton 3.6 read shared
     memory out of range (bf16, sm_90).
 
     z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
     measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim
     that is not a power of two into BD + BDH columns (72 = 64 + 16 instead of 128): four smaller
-    accumulators in place of one mostly padded one (see `head_dim_parts`)."""
+    accumulators in place of one mostly padded one (see `head_dim_parts`). HILO: float32 sums stored as two
+    halves, the rounded sum at S and its remainder LO elements on (`_put`)."""
     _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hs = (bh // HS).to(tl.int64), bh % HS
@@ -132,7 +136,15 @@ def _summaries_kernel(
             wq = tl.load(wp + n, mask=valid, other=0.0) * scale
             wz = tl.load(wp + nt + n, mask=valid, other=0.0)
             fk = fk * wq[:, None]
-            zw_l += tl.sum(fk * wz[:, None], 0)
+            if DZ_TILE and not BDH:
+                wz_hi = wz.to(dt)
+                col = tl.arange(0, 16)[None, :]
+                wz2 = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32)).to(dt)[:, None], 0.0))
+                fk_hi = fk.to(dt)
+                z_l += tl.dot(tl.trans(fk_hi), wz2.to(dt), input_precision=DOT_PREC)
+                z_l += tl.dot(tl.trans((fk - fk_hi.to(tl.float32)).to(dt)), wz2.to(dt), input_precision=DOT_PREC)
+            else:
+                zw_l += tl.sum(fk * wz[:, None], 0)
         fk = tl.trans(fk.to(dt))
         s_ll += tl.dot(fk, vv, input_precision=DOT_PREC)
         if not WEIGHTED:
@@ -151,25 +163,32 @@ def _summaries_kernel(
                 z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
             if BDVH:
                 s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
+    if WEIGHTED and DZ_TILE and not BDH:  # (columns 0 and 1: the hi and lo parts of W[1])
+        zw_l = tl.sum(tl.where(tl.arange(0, 16)[None, :] < 2, z_l, 0.0), 1)
     out = S + (bh * M + m).to(tl.int64) * COLS
-    _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC)
-    _put(out + D * DV + d, zw_l if WEIGHTED else tl.max(z_l, 1), dm, ATOMIC)
+    _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC, HILO, LO)
+    _put(out + D * DV + d, zw_l if WEIGHTED else tl.max(z_l, 1), dm, ATOMIC, HILO, LO)
     if BDVH:
-        _put(out + d[:, None] * DV + eh[None, :], s_lh, dm[:, None] & ehm[None, :], ATOMIC)
+        _put(out + d[:, None] * DV + eh[None, :], s_lh, dm[:, None] & ehm[None, :], ATOMIC, HILO, LO)
     if BDH:
-        _put(out + dh[:, None] * DV + e[None, :], s_hl, dhm[:, None] & em[None, :], ATOMIC)
-        _put(out + D * DV + dh, zw_h if WEIGHTED else tl.max(z_h, 1), dhm, ATOMIC)
+        _put(out + dh[:, None] * DV + e[None, :], s_hl, dhm[:, None] & em[None, :], ATOMIC, HILO, LO)
+        _put(out + D * DV + dh, zw_h if WEIGHTED else tl.max(z_h, 1), dhm, ATOMIC, HILO, LO)
         if BDVH:
-            _put(out + dh[:, None] * DV + eh[None, :], s_hh, dhm[:, None] & ehm[None, :], ATOMIC)
+            _put(out + dh[:, None] * DV + eh[None, :], s_hh, dhm[:, None] & ehm[None, :], ATOMIC, HILO, LO)
 
 
 @triton.jit
-def _put(ptr, value, mask, ATOMIC: tl.constexpr):
-    """Store (cast to the buffer's dtype), or add float32 partials when a block is split over programs."""
+def _put(ptr, value, mask, ATOMIC: tl.constexpr, HILO: tl.constexpr, LO):
+    """Store (cast to the buffer's dtype), or add float32 partials when a block is split over programs.
+    HILO (half buffer): also the rounding's remainder, LO elements on, so hi + lo keeps 16 significant
+    bits (bf16) of the float32 value, and a reader that wants only the rounded value reads half the bytes."""
     if ATOMIC:
         tl.atomic_add(ptr, value, mask=mask)
     else:
-        tl.store(ptr, value.to(ptr.dtype.element_ty), mask=mask)
+        hi = value.to(ptr.dtype.element_ty)
+        tl.store(ptr, hi, mask=mask)
+        if HILO:
+            tl.store(ptr + LO, (value - hi.to(tl.float32)).to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -231,7 +250,7 @@ def _mix_kernel(
 def _mix_sweep_kernel(
     A, X, OUT, S, PART, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
     MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, COL_TILES: tl.constexpr, DOT_PREC: tl.constexpr,
-    GRAD: tl.constexpr, PDL: tl.constexpr = False,
+    GRAD: tl.constexpr, PDL: tl.constexpr = False, HILO: tl.constexpr = False, LO=0,
 ):
     """OUT[b, o] = A_o @ X[b, o // GX] when all M ≤ BM blocks fit one tile (`_mix_kernel` with R = 1):
     A_o is loaded once and the program sweeps COL_TILES column tiles, so each summary column is read
@@ -239,7 +258,8 @@ def _mix_sweep_kernel(
     is rounded to it anyway, and as a tf32 operand of a column-major tile it would load 4 bytes at a
     time). GRAD (backward: X = dS̃, S the float32 summaries of the same heads):
     also the mixing gradient's ⟨X_i, S_j⟩ over the swept columns, into PART per program, in the same
-    pass over dS̃."""
+    pass over dS̃; HILO: dS̃ and S as two halves each (`_put`, LO elements apart), the gradient as three
+    half products (lo · lo is below both's precision), every operand straight from its load."""
     _chained(PDL)
     bo, pc = tl.program_id(0), tl.program_id(1)
     b, o = (bo // H_OUT).to(tl.int64), bo % H_OUT
@@ -263,15 +283,21 @@ def _mix_sweep_kernel(
             xm = x.to(OUT.dtype.element_ty)
         acc = _mix_dot(a, xm, tl.zeros((BM, BN), tl.float32), DOT_PREC)
         tl.store(op + i[:, None] * COLS + c[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-        if GRAD:  # (X loaded again for its tf32 product: Triton 3.6 on sm_90 mis-pipelines one load used both
+        sp = S + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
+        if GRAD and HILO:
+            s_hi = tl.load(sp, mask=mask, other=0.0)
+            g = tl.dot(xm, tl.trans(s_hi), g)
+            g = tl.dot(xm, tl.trans(tl.load(sp + LO, mask=mask, other=0.0)), g)
+            g = tl.dot(tl.load(xp + i[:, None] * COLS + c[None, :] + LO, mask=mask, other=0.0), tl.trans(s_hi), g)
+        elif GRAD:  # (X loaded again for its tf32 product: Triton 3.6 on sm_90 mis-pipelines one load used both
             # in registers and as a tf32 operand, and the sums come out wrong from 2 stages on)
             x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            s = tl.load(S + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :], mask=mask, other=0.0)
-            g = tl.dot(x, tl.trans(s), g, input_precision=DOT_PREC)
+            g = tl.dot(x, tl.trans(tl.load(sp, mask=mask, other=0.0)), g, input_precision=DOT_PREC)
     if GRAD:
         if MASK:  # the strict causal triangle (mixing weights on or above the diagonal are not used)
             g = tl.where(i[None, :] < i[:, None], g, 0.0)
-        part = PART + (bo * tl.num_programs(1) + pc).to(tl.int64) * M * M + i[:, None] * M + i[None, :]
+        row = (o * (tl.num_programs(0) // H_OUT) + b) * tl.num_programs(1) + pc  # (head, batch, split) order
+        part = PART + row.to(tl.int64) * M * M + i[:, None] * M + i[None, :]
         tl.store(part, g, mask=(i < M)[:, None] & (i < M)[None, :])
 
 
@@ -484,15 +510,16 @@ def _dmix_kernel(
     SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """PART[(b, p, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser);
-    the host sums the partials over batch, splits (and heads when the mixing is shared)."""
+    """PART[(p, b, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser), summed
+    by `_sum_partials_kernel`."""
     _chained(PDL)
     pid, pi, pj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sp, bp = pid % SPLIT, pid // SPLIT
-    b, p = bp // HMIX, bp % HMIX
+    sp, pb = pid % SPLIT, pid // SPLIT
+    nb = tl.num_programs(0) // (HMIX * SPLIT)
+    p, b = pb // nb, pb % nb
     i = pi * BM + tl.arange(0, BM)
     jj = pj * BN + tl.arange(0, BN)
-    ap = DST + bp.to(tl.int64) * M * COLS
+    ap = DST + (b * HMIX + p).to(tl.int64) * M * COLS
     xp = S + (b * (HMIX // GX) + p // GX).to(tl.int64) * M * COLS
     acc = tl.zeros((BM, BN), tl.float32)
     live = True
@@ -507,6 +534,21 @@ def _dmix_kernel(
     if STRICT:
         acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
     tl.store(PART + pid.to(tl.int64) * M * M + i[:, None] * M + jj[None, :], acc, mask=(i < M)[:, None] & (jj < M)[None, :])
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+    """OUT[g, c] = Σ_r PART[g, r, c]: the mixing gradient's partials, summed in a fixed order (bit-reproducible,
+    unlike atomics; torch's sum over these leading dims took 2x the time of two launches)."""
+    _chained(PDL)
+    g, pc = tl.program_id(0), tl.program_id(1)
+    c = pc * BC + tl.arange(0, BC)
+    base = PART + g.to(tl.int64) * R * C
+    acc = tl.zeros((BC,), tl.float32)
+    for r0 in range(0, R, BR):
+        r = r0 + tl.arange(0, BR)
+        acc += tl.sum(tl.load(base + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :], other=0.0), 0)
+    tl.store(OUT + g.to(tl.int64) * C + c, acc, mask=c < C)
 
 
 @triton.jit

@@ -59,16 +59,23 @@ FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # 
 # programs per SM fit in shared memory, not 3); dq ("bwd_queries") 0.239 -> 0.186 (3 programs per SM of 32-token
 # tiles); dk, dv ("bwd_keys") 0.180 -> 0.157. DiT: dq 0.149 -> 0.114, dk, dv 0.117 -> 0.099 (its summaries
 # gained 0.006 ms at 16k tokens with 32-token tiles but lost 0.02 at 1,024, split over programs). "bwd_summaries"
-# is dS̃ (the summaries kernel, weighted)
+# is dS̃ (the summaries kernel, weighted): Wan 0.135 -> 0.117 (with DZ_TILE_PRODUCT), DiT 0.078 -> 0.072
 LAUNCH_CONFIGS: dict = {
     "summaries": {(128, 128): (8, 3, 128)},
     "readout": {(128, 128): (4, 1, 128)},
     "bwd_queries": {(128, 128): (4, 1, 168, 32), (72, 72): (4, 1, 168, 32)},
-    "bwd_summaries": {},
+    "bwd_summaries": {(128, 128): (8, 2, 128), (72, 72): (4, 3, None)},
     "bwd_keys": {(128, 128): (8, 2, 128, 64), (72, 72): (8, 2, 128, 64)},
 }
 
 
+HILO_SUMMARIES = True  # training's summaries as hi + lo halves where the one-tile kernel makes the mixing gradient
+# (`_summaries`): Wan forward 0.226 -> 0.204 ms (mixing 0.058 -> 0.036), its mixing gradient 0.092 -> 0.102
+# head dims (D, Dv) whose dS̃ launch makes dz̃ as a hi + lo tile product (`_summaries_kernel`, DZ_TILE): it pays
+# at 8 warps (Wan 0.135 -> 0.117 ms with LAUNCH_CONFIGS' 8 warps), the float32 sum at 4 (causal D = 64: 0.151
+# against 0.178 as a product)
+DZ_TILE_PRODUCT: set = {(128, 128)}
+SUM_TILES = (64, 32, 4)  # rows, columns, warps of the mixing gradient's partials sum (`_sum_partials_kernel`)
 PDL = True  # chain each operator's launches by programmatic dependent launch (Hopper and later; `_chained`)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -286,7 +293,7 @@ def _static(p: _Plan, device):
     chain = _chain_kw(device)
     dims = (p.dim, p.dv)
     key = (id(p), device, wanted, FWD_CONFIGS.get(dims), *(c.get(dims) for c in LAUNCH_CONFIGS.values()), MIX_TILES,
-           tuple(MIX_SWEEP.items()), TILE_TOKENS, SPLIT_HEAD_DIMS, bool(chain))
+           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, tuple(DZ_TILE_PRODUCT), HILO_SUMMARIES, bool(chain))
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
 
@@ -301,23 +308,51 @@ def _static(p: _Plan, device):
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         heads = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, **p.heads_kw())
+        summaries = launch("summaries", p.kv_heads, (*ks, *vs, p.kv_heads, p.m, p.cols), atomic=True)
+        mix_t = _mix_launch(p, wanted, "mix_t", chain)
+        # dS̃ and dz̃: the summaries of φ(q) and dnum (`_summaries_kernel`, WEIGHTED)
+        bwd_summaries = launch("bwd_summaries", p.mix_heads, (*qs, *os_, p.mix_heads, p.m, p.cols), atomic=True,
+                               GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale,
+                               DZ_TILE=(p.dim, p.dv) in DZ_TILE_PRODUCT)
+        # training's summaries and dS̃ as hi + lo halves where only the one-tile mixing gradient reads them whole
+        # (its mixing heads are the key heads: both have the same size)
+        hilo = (HILO_SUMMARIES and p.half_inputs and not summaries[2]["ATOMIC"] and not bwd_summaries[2]["ATOMIC"]
+                and mix_t[0] is K._mix_sweep_kernel)
+        if hilo:
+            lo = dict(HILO=True, LO=p.batch * p.kv_heads * p.m * p.cols)
+            mix_t = (mix_t[0], _with(mix_t[1], **lo))
+            bwd_summaries = _with(bwd_summaries, **lo)
         hit = dict(
             plan=p,
-            summaries=launch("summaries", p.kv_heads, (*ks, *vs, p.kv_heads, p.m, p.cols), atomic=True),
+            hilo=hilo,
+            summaries=summaries,
+            summaries_hilo=_with(summaries, **lo) if hilo else None,
             readout=launch("readout", p.heads, (*qs, *ks, *vs, *os_, p.heads), **heads),
-            **{kind: _mix_launch(p, wanted, kind, chain) for kind in ("mix", "mix_half", "mix_t")},
+            mix_t=mix_t,
+            **{kind: _mix_launch(p, wanted, kind, chain) for kind in ("mix", "mix_half")},
             bwd_queries=launch("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **heads),
-            # dS̃ and dz̃: the summaries of φ(q) and dnum (`_summaries_kernel`, WEIGHTED)
-            bwd_summaries=launch("bwd_summaries", p.mix_heads, (*qs, *os_, p.mix_heads, p.m, p.cols), atomic=True,
-                                 GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale),
+            bwd_summaries=bwd_summaries,
             bwd_keys=launch("bwd_keys", p.kv_heads, (*qs, *ks, *vs, *os_, p.heads, p.kv_heads), NORMALIZE=p.normalize,
                             CAUSAL=p.causal, HKV_GROUP=p.heads // p.kv_heads, M=p.m, COLS=p.cols, MIX_SH=p.mix_sh,
                             scale=p.scale),
             dmix=_dmix_launch(p, wanted, chain))
+        # the mixing gradient's partials: rows (mixing head or one) x (batch, split[, head]) x M·M
+        parts = mix_t[1][0][0] * mix_t[1][0][1] if mix_t[0] is K._mix_sweep_kernel else hit["dmix"][0][0]
+        rows = p.mix_heads if p.per_head else 1
+        br, bc, warps = SUM_TILES
+        kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **chain)
+        hit["sum_partials"] = ((rows, _cdiv(p.m * p.m, bc)), (), kw, tuple(kw.items()))
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
     return hit
+
+
+def _with(launch, **extra):
+    """A launch with more keyword arguments."""
+    grid, ints, kw, _ = launch
+    kw = {**kw, **extra}
+    return grid, ints, kw, tuple(kw.items())
 
 
 def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
@@ -355,15 +390,23 @@ def _run(fn, launch, tensors):
 
 
 def _summaries(p: _Plan, k, v, half: bool = False, f=None):
-    """Block summaries, float32; `half`: in k's dtype when that is half precision (and the launch
-    is not split over programs, which adds up float32 partials), which halves the bytes written
-    here and read by the mixing GEMM: inference only, as the mixing gradient reads them too.
+    """Block summaries (B, H_kv, M, COLS). `half` (inference): in k's dtype when that is half precision (and
+    the launch is not split over programs, which adds up float32 partials), which halves the bytes written
+    here and read by the mixing GEMM. Training: float32, or where `_static` found it applies (`hilo`), as
+    two halves (2, B, H_kv, M, COLS): the rounded sums, all the forward's mixing reads (it rounds them
+    anyway: half the bytes), and their remainders, which the mixing gradient adds back (with the rounded
+    sums alone it left the tests' bound on few blocks: the rounding does not average out of ⟨dS̃, S⟩).
     `f`: `_static(p, k.device)` when the caller has it."""
     f = f or _static(p, k.device)
-    split = f["summaries"][2]["ATOMIC"]
-    half = half and not split and k.dtype != torch.float32
-    s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype if half else torch.float32, zero=split)
-    _run(K._summaries_kernel, f["summaries"], (k, v, s, k))  # (k: a placeholder for the weights W)
+    launch = f["summaries"]
+    split = launch[2]["ATOMIC"]
+    if half and not split and k.dtype != torch.float32:
+        s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype)
+    elif not half and f["hilo"]:
+        s, launch = _new(2, p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype), f["summaries_hilo"]
+    else:
+        s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=split)
+    _run(K._summaries_kernel, launch, (k, v, s, k))  # (k: a placeholder for the weights W)
     return s
 
 
@@ -389,15 +432,20 @@ def _mix_matmul(p: _Plan, mixing, s):
     return torch.matmul(mix.view(p.kv_heads, g, p.m, p.m), s.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
 
 
+def _mix_summaries(p: _Plan, mixing, s, dtype, f=None):
+    """S̃ = mixing @ S in the inputs' `dtype`, from any of `_summaries`'s forms (of hi + lo, the rounded sums)."""
+    f = f or _static(p, s.device)
+    s = s[0] if s.dim() == 5 else s
+    if s.dtype == dtype != torch.float32 and p.m >= MATMUL_MIX_MIN_BLOCKS:
+        return _mix_matmul(p, mixing, s)
+    return _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=s.device, dtype=dtype),
+                kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
+
+
 def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
     f = _static(p, q.device)
     s = _summaries(p, k, v, half_summaries, f)
-    st_dtype = torch.float32 if q.dtype == torch.float32 else q.dtype
-    if s.dtype == st_dtype != torch.float32 and p.m >= MATMUL_MIX_MIN_BLOCKS:
-        st = _mix_matmul(p, mixing, s)
-    else:
-        st = _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=st_dtype),
-                  kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
+    st = _mix_summaries(p, mixing, s, q.dtype, f)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
     _run(K._readout_kernel, f["readout"], (q, k, v, st, mixing, o))
     return s, st, o
@@ -412,9 +460,13 @@ def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing, f):
 
 
 def _bwd_summaries(p: _Plan, q, do, w, f):
-    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head (float32), by the summaries kernel."""
+    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head by the summaries kernel: float32, or as
+    hi + lo halves (2, B, H_mix, M, COLS) where the training summaries are (`_summaries`)."""
     launch = f["bwd_summaries"]
-    dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=launch[2]["ATOMIC"])
+    if f["hilo"]:
+        dst = _new(2, p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=q.dtype)
+    else:
+        dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=launch[2]["ATOMIC"])
     _run(K._summaries_kernel, launch, (q, do, dst, w))
     return dst
 
@@ -467,15 +519,18 @@ def _dmix_launch(p: _Plan, wanted: int, chain: dict):
 
 def _mixing_grad(p: _Plan, dst, s, part, dmii, f):
     """Sum of the ⟨dS̃_i, S_j⟩ partials (from `_mix_t`, or made here by `_dmix_kernel`) over batch and
-    column splits, plus the causal diagonal's own-chunk terms."""
+    column splits (and heads, for shared mixing), plus the causal diagonal's own-chunk terms."""
     if part is None:
         launch = f["dmix"]
         part = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
         _run(K._dmix_kernel, launch, (dst, s, part))
-    dmix = part.view(p.batch, p.mix_heads, -1, p.m, p.m).sum((0, 2))  # (H_mix, M, M)
+    launch = f["sum_partials"]
+    dmix = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
+    _run(K._sum_partials_kernel, launch, (part, dmix))
     if p.causal:
-        dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.sum(0).view(p.mix_heads, -1, p.m).sum(1))
-    return dmix if p.per_head else dmix.sum(0)
+        over = (0, 2) if p.per_head else (0, 1, 2)  # of (batch, mixing head, query head of one)
+        dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.view(p.batch, p.mix_heads, -1, p.m).sum(over))
+    return dmix if p.per_head else dmix[0]
 
 
 class MHLAFunction(torch.autograd.Function):
