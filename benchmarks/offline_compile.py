@@ -31,9 +31,11 @@ from mhla_convert.ops.feature_maps import resolve_feature_map
 
 H200_SMS = 132
 # launch name -> pointer types of its tensors, in order (bf16 inputs; summaries as `_forward` writes them;
-# the one-tile mixing kernel adds the float32 summaries and gradient partials; dS as that kernel writes it)
+# the one-tile mixing kernel adds the summaries and gradient partials; dS as that kernel writes it). Where
+# training keeps summaries and dS̃ as hi + lo halves (`_static`'s "hilo"), HILO_POINTERS replaces them
 POINTERS = {
     "summaries": ("*bf16",) * 4,
+    "summaries_hilo": ("*bf16",) * 4,
     "mix_half": ("*fp32", "*bf16", "*bf16"),
     "readout": ("*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*bf16"),
     "mix": ("*fp32", "*fp32", "*bf16"),
@@ -41,7 +43,9 @@ POINTERS = {
     "bwd_summaries": ("*bf16", "*bf16", "*fp32", "*fp32"),
     "mix_t": ("*fp32", "*fp32", "*bf16"),
     "bwd_keys": ("*bf16",) * 4 + ("*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*fp32"),
+    "sum_partials": ("*fp32", "*fp32"),
 }
+HILO_POINTERS = {"bwd_summaries": ("*bf16", "*bf16", "*bf16", "*fp32"), "mix_t": ("*fp32", "*bf16", "*bf16")}
 
 
 def compile_sm90(fn, args: dict, options: dict):
@@ -87,8 +91,9 @@ def main():
         for name in [n for n in SHAPES if n not in keep]:
             del SHAPES[name]
     MT._programs_wanted = lambda device: MT.PROGRAMS_PER_SM * H200_SMS  # the H200's launch splits, on any machine
-    kernels = dict(summaries=MT.K._summaries_kernel, readout=MT.K._readout_kernel, bwd_queries=MT.K._bwd_query_kernel,
-                   bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel)
+    kernels = dict(summaries=MT.K._summaries_kernel, summaries_hilo=MT.K._summaries_kernel, readout=MT.K._readout_kernel,
+                   bwd_queries=MT.K._bwd_query_kernel, bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel,
+                   sum_partials=MT.K._sum_partials_kernel)
     print("| shape | launch | kernel | grid | warps, stages | registers | stack | shared memory | SASS instructions | "
           "global memory ops (per thread, in the PTX) |")
     for shape, (heads, dim, layout, causal) in SHAPES.items():
@@ -98,9 +103,13 @@ def main():
                         scale=dim**-0.5, eps=1e-6)
         static = MT._static(plan, torch.device("meta"))
         for name, pointers in POINTERS.items():
+            if static[name] is None:  # (no hi + lo summaries for this shape)
+                continue
             fn, launch = (kernels[name], static[name]) if name in kernels else static[name]
             grid, ints, kw, _ = launch
-            pointers += ("*fp32", "*fp32") if fn is MT.K._mix_sweep_kernel else ()
+            pointers = HILO_POINTERS.get(name, pointers) if static["hilo"] else pointers
+            if fn is MT.K._mix_sweep_kernel:
+                pointers += ("*bf16" if name == "mix_t" and static["hilo"] else "*fp32", "*fp32")
             kw = dict(kw)
             options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages", 3), maxnreg=kw.pop("maxnreg", None))
             r = resources(compile_sm90(fn, {**dict(zip(fn.arg_names, (*pointers, *ints))), **kw}, options))
