@@ -138,11 +138,11 @@ def _summaries_kernel(
             fk = fk * wq[:, None]
             if DZ_TILE and not BDH:
                 wz_hi = wz.to(dt)
-                col = tl.arange(0, 16)[None, :]
-                wz2 = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32)).to(dt)[:, None], 0.0))
+                col = tl.arange(0, 16)[None, :]  # (BT, 16): W[1]'s hi part in column 0, its lo part in column 1
+                wz2 = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32))[:, None], 0.0)).to(dt)
                 fk_hi = fk.to(dt)
-                z_l += tl.dot(tl.trans(fk_hi), wz2.to(dt), input_precision=DOT_PREC)
-                z_l += tl.dot(tl.trans((fk - fk_hi.to(tl.float32)).to(dt)), wz2.to(dt), input_precision=DOT_PREC)
+                z_l += tl.dot(tl.trans(fk_hi), wz2, input_precision=DOT_PREC)
+                z_l += tl.dot(tl.trans((fk - fk_hi.to(tl.float32)).to(dt)), wz2, input_precision=DOT_PREC)
             else:
                 zw_l += tl.sum(fk * wz[:, None], 0)
         fk = tl.trans(fk.to(dt))
@@ -163,7 +163,7 @@ def _summaries_kernel(
                 z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
             if BDVH:
                 s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
-    if WEIGHTED and DZ_TILE and not BDH:  # (columns 0 and 1: the hi and lo parts of W[1])
+    if WEIGHTED and DZ_TILE and not BDH:  # (columns 0 and 1: the products with W[1]'s hi and lo parts)
         zw_l = tl.sum(tl.where(tl.arange(0, 16)[None, :] < 2, z_l, 0.0), 1)
     out = S + (bh * M + m).to(tl.int64) * COLS
     _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC, HILO, LO)
@@ -256,7 +256,7 @@ def _mix_sweep_kernel(
     A_o is loaded once and the program sweeps COL_TILES column tiles, so each summary column is read
     once and nothing is re-read per row tile. A float32 X is rounded to OUT's precision first (the sum
     is rounded to it anyway, and as a tf32 operand of a column-major tile it would load 4 bytes at a
-    time). GRAD (backward: X = dS̃, S the float32 summaries of the same heads):
+    time). GRAD (backward: X = dS̃, S the summaries of the same heads, float32 or HILO):
     also the mixing gradient's ⟨X_i, S_j⟩ over the swept columns, into PART per program, in the same
     pass over dS̃; HILO: dS̃ and S as two halves each (`_put`, LO elements apart), the gradient as three
     half products (lo · lo is below both's precision), every operand straight from its load."""
@@ -283,16 +283,17 @@ def _mix_sweep_kernel(
             xm = x.to(OUT.dtype.element_ty)
         acc = _mix_dot(a, xm, tl.zeros((BM, BN), tl.float32), DOT_PREC)
         tl.store(op + i[:, None] * COLS + c[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-        sp = S + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
-        if GRAD and HILO:
-            s_hi = tl.load(sp, mask=mask, other=0.0)
-            g = tl.dot(xm, tl.trans(s_hi), g)
-            g = tl.dot(xm, tl.trans(tl.load(sp + LO, mask=mask, other=0.0)), g)
-            g = tl.dot(tl.load(xp + i[:, None] * COLS + c[None, :] + LO, mask=mask, other=0.0), tl.trans(s_hi), g)
-        elif GRAD:  # (X loaded again for its tf32 product: Triton 3.6 on sm_90 mis-pipelines one load used both
-            # in registers and as a tf32 operand, and the sums come out wrong from 2 stages on)
-            x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            g = tl.dot(x, tl.trans(tl.load(sp, mask=mask, other=0.0)), g, input_precision=DOT_PREC)
+        if GRAD:
+            sp = S + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
+            if HILO:  # (xm is dS̃'s hi part, as loaded)
+                s_hi = tl.load(sp, mask=mask, other=0.0)
+                g = tl.dot(xm, tl.trans(s_hi), g)
+                g = tl.dot(xm, tl.trans(tl.load(sp + LO, mask=mask, other=0.0)), g)
+                g = tl.dot(tl.load(xp + i[:, None] * COLS + c[None, :] + LO, mask=mask, other=0.0), tl.trans(s_hi), g)
+            else:  # (X loaded again for its tf32 product: Triton 3.6 on sm_90 mis-pipelines one load used both
+                # in registers and as a tf32 operand, and the sums come out wrong from 2 stages on)
+                x = tl.load(xp + i[:, None] * COLS + c[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+                g = tl.dot(x, tl.trans(tl.load(sp, mask=mask, other=0.0)), g, input_precision=DOT_PREC)
     if GRAD:
         if MASK:  # the strict causal triangle (mixing weights on or above the diagonal are not used)
             g = tl.where(i[None, :] < i[:, None], g, 0.0)

@@ -5,14 +5,15 @@ Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: que
 token 1/(den + eps) and −do·o) → dS̃ by the summaries kernel over φ(q) and do, weighted by those →
 mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
-dS̃. (dq and dS̃ were one kernel: its dS̃ accumulator held it at one program per SM.) On Hopper the
-launches are chained by programmatic dependent launch (`PDL`). The float32 summaries and the mixed
-ones (in the input dtype for half inputs: they are a matmul operand, as in fla) are kept from forward
-to backward: (B·H·M·D·Dv) floats each, far below the activations for M ≪ N. Inference (no autograd)
-keeps nothing, writes the summaries in the input's half precision and mixes them in one tile of all M
-blocks (M ≤ 128) or, for many blocks, with torch.matmul. (Training keeps float32 summaries for the
-mixing gradient: half ones put it outside the tests' bound on few blocks, docs/benchmarks.md; the
-forward mixing rounds them to half.)
+dS̃, and the partials are summed by one more launch. (dq and dS̃ were one kernel: its dS̃ accumulator held
+it at one program per SM.) On Hopper the launches are chained by programmatic dependent launch (`PDL`).
+The summaries at float32 precision and the mixed ones (in the input dtype for half inputs: they are a
+matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far below the
+activations for M ≪ N. Training keeps that precision for the mixing gradient (half summaries put it
+outside the tests' bound on few blocks, docs/benchmarks.md): float32, or, where the one-tile kernel makes
+the gradient, hi + lo half parts of which the forward's mixing reads only hi (`_summaries`). Inference
+(no autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one
+tile of all M blocks (M ≤ 128) or, for many blocks, with torch.matmul.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ LAUNCH_CONFIGS: dict = {
 
 
 HILO_SUMMARIES = True  # training's summaries as hi + lo halves where the one-tile kernel makes the mixing gradient
-# (`_summaries`): Wan forward 0.226 -> 0.204 ms (mixing 0.058 -> 0.036), its mixing gradient 0.092 -> 0.102
+# (`_summaries`; dS̃ too): Wan training forward 0.226 -> 0.205 ms (mixing 0.058 -> 0.036), its mixing gradient
+# 0.092 -> 0.096 (three half products, docs/benchmarks.md)
 # head dims (D, Dv) whose dS̃ launch makes dz̃ as a hi + lo tile product (`_summaries_kernel`, DZ_TILE): it pays
 # at 8 warps (Wan 0.135 -> 0.117 ms with LAUNCH_CONFIGS' 8 warps), the float32 sum at 4 (causal D = 64: 0.151
 # against 0.178 as a product)
@@ -357,7 +359,7 @@ def _with(launch, **extra):
 
 def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
     """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
-    summaries: training) and "mix_half" (half ones: inference): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
+    summaries) and "mix_half" (half ones: inference, and training's hi parts): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
     yields the mixing gradient's partials)."""
     m, cols = p.m, p.cols
@@ -411,8 +413,8 @@ def _summaries(p: _Plan, k, v, half: bool = False, f=None):
 
 
 def _mix(p: _Plan, mixing, x, out, *, kind: str, f=None, s=None, part=None):
-    """One of `_static`'s mixing launches; the one-tile kernel takes the float32 summaries `s` and the
-    partials buffer `part` of the mixing gradient ("mix_t"; placeholders elsewhere)."""
+    """One of `_static`'s mixing launches; the one-tile kernel takes the summaries `s` (float32 or hi + lo) and
+    the partials buffer `part` of the mixing gradient ("mix_t"; placeholders elsewhere)."""
     fn, launch = (f or _static(p, x.device))[kind]
     extra = (x if s is None else s, out if part is None else part) if fn is K._mix_sweep_kernel else ()
     _run(fn, launch, (mixing, x, out, *extra))
