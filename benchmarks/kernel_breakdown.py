@@ -33,8 +33,7 @@ SHAPES = {  # name -> (H, D, layout, causal)
     "causal-32768": (32, 64, BlockLayout.chunked(32768, 64), True),
 }
 KNOBS = [("default", {}), ("PDL", {"PDL": False}), ("MATMUL_MIX_MIN_BLOCKS", {"MATMUL_MIX_MIN_BLOCKS": 0}),
-         ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False}), ("DZ_TILE_PRODUCT", {"DZ_TILE_PRODUCT": set()}),
-         ("HILO_SUMMARIES", {"HILO_SUMMARIES": False})]
+         ("SPLIT_HEAD_DIMS", {"SPLIT_HEAD_DIMS": False}), ("HILO_SUMMARIES", {"HILO_SUMMARIES": False})]
 
 
 def breakdown(heads, dim, layout, causal, backward=True):
@@ -67,14 +66,14 @@ def breakdown(heads, dim, layout, causal, backward=True):
 
 def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
     f = MT._static(plan, q.device)
-    dq, w = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
-    dst = MT._bwd_summaries(plan, q, do, w, f)
+    dq, w, dz = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
+    dst = MT._bwd_summaries(plan, q, do, w, dz, f)
     ds, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
     _, _, dmii = MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)
     return dict(
         bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
         bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)),
-        bwd_dst=t(lambda: MT._bwd_summaries(plan, q, do, w, f)),
+        bwd_dst=t(lambda: MT._bwd_summaries(plan, q, do, w, dz, f)),
         bwd_mixT=t(lambda: MT._mix_t(plan, mixing, dst, s, st.dtype, f)),
         bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)),
         bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, part, dmii, f)),
@@ -179,7 +178,7 @@ def mix_sweep():
                 # summaries and dS̃ as this setting's backward has them (float32, or hi + lo halves)
                 f = MT._static(plan, q.device)
                 s = MT._summaries(plan, k, v, f=f)
-                dst = MT._bwd_summaries(plan, q, do, MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)[1], f)
+                dst = MT._bwd_summaries(plan, q, do, *MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)[1:], f)
                 try:
                     print(f"| {shape} | {kind} | {tiles} | {t(fn):.4f} |", flush=True)
                 except triton.runtime.errors.OutOfResources as err:
@@ -234,7 +233,7 @@ def main():
         for kind in sys.argv[sys.argv.index("--sweep") + 1].split(","):
             config_sweep(kind)
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL", "DZ_TILE_PRODUCT", "HILO_SUMMARIES")}
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL", "HILO_SUMMARIES")}
     print("| shape | setting | " + " | ".join(breakdown_keys()) + " | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:
