@@ -66,14 +66,14 @@ def breakdown(heads, dim, layout, causal, backward=True):
 
 def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
     f = MT._static(plan, q.device)
-    dq, w, dz = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
-    dst = MT._bwd_summaries(plan, q, do, w, dz, f)
+    dq, w = MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)
+    dst = MT._bwd_summaries(plan, q, do, w, f)
     ds, part = MT._mix_t(plan, mixing, dst, s, st.dtype, f)
     _, _, dmii = MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)
     return dict(
         bwd=t(lambda: MT._backward(plan, q, k, v, mixing, s, st, o, do, True)),
         bwd_q=t(lambda: MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)),
-        bwd_dst=t(lambda: MT._bwd_summaries(plan, q, do, w, dz, f)),
+        bwd_dst=t(lambda: MT._bwd_summaries(plan, q, do, w, f)),
         bwd_mixT=t(lambda: MT._mix_t(plan, mixing, dst, s, st.dtype, f)),
         bwd_k=t(lambda: MT._bwd_keys(plan, q, k, v, do, mixing, ds, w, f)),
         bwd_dmix=t(lambda: MT._mixing_grad(plan, dst, s, part, dmii, f)),
@@ -89,12 +89,12 @@ SWEEPS = {
                                       (8, 3, None, 32)]),
     "readout": ("readout", [(4, 1, 128), (4, 2, 128, 32), (4, 2, 96, 32), (4, 3, 128, 32), (4, 1, 128, 32), (8, 2, 128),
                             (4, 2, None, 32), (8, 3, 128, 32)]),
-    "bwd_queries": ("bwd_q", [(4, 2, 168, 32), (4, 3, 168, 32), (4, 1, 168, 32), (4, 2, 128, 32), (8, 2, 128, 32),
-                              (8, 2, None, 32), (4, 2, 168, 64), (4, 2, 168, 16)]),
-    "bwd_summaries": ("bwd_dst", [(8, 3, 128), (8, 2, 128), (8, 3, None), (4, 2, None), (4, 3, None), (8, 2, 128, 32),
-                                  (8, 1, 128)]),
-    "bwd_keys": ("bwd_k", [(8, 3, None, 64), (8, 2, 128, 64), (8, 3, 128, 64), (4, 3, None, 32), (4, 2, 168, 32),
-                           (8, 3, 168, 64), (8, 1, 128, 64), (8, 2, 128, 32), (4, 2, 128, 64)]),
+    "bwd_queries": ("bwd_q", [(4, 2, 168, 32), (4, 1, 168, 32), (4, 2, 128, 32), (8, 2, 128, 32), (8, 1, 128, 32),
+                              (8, 1, None, 32), (8, 1, 128, 64), (4, 1, 128, 32), (4, 1, None, 32), (4, 1, 168, 16)]),
+    "bwd_summaries": ("bwd_dst", [(8, 3, 128), (8, 2, 128), (8, 4, 128), (8, 3, None), (4, 3, None), (4, 3, 168),
+                                  (8, 3, 128, 32)]),
+    "bwd_keys": ("bwd_k", [(8, 3, None, 64), (8, 2, 128, 64), (8, 3, 128, 64), (4, 2, 168, 32), (8, 1, 128, 64),
+                           (8, 2, 128, 32), (4, 2, 128, 64), (8, 1, None, 64), (4, 1, 168, 64), (4, 1, 168, 32)]),
 }
 
 
@@ -178,7 +178,7 @@ def mix_sweep():
                 # summaries and dS̃ as this setting's backward has them (float32, or hi + lo halves)
                 f = MT._static(plan, q.device)
                 s = MT._summaries(plan, k, v, f=f)
-                dst = MT._bwd_summaries(plan, q, do, *MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)[1:], f)
+                dst = MT._bwd_summaries(plan, q, do, MT._bwd_queries(plan, q, k, v, o, do, st, mixing, f)[1], f)
                 try:
                     print(f"| {shape} | {kind} | {tiles} | {t(fn):.4f} |", flush=True)
                 except triton.runtime.errors.OutOfResources as err:

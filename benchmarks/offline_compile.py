@@ -34,18 +34,18 @@ H200_SMS = 132
 # the one-tile mixing kernel adds the summaries and gradient partials; dS as that kernel writes it). Where
 # training keeps summaries and dS̃ as hi + lo halves (`_static`'s "hilo"), HILO_POINTERS replaces them
 POINTERS = {
-    "summaries": ("*bf16",) * 5,
-    "summaries_hilo": ("*bf16",) * 5,
+    "summaries": ("*bf16",) * 4,
+    "summaries_hilo": ("*bf16",) * 4,
     "mix_half": ("*fp32", "*bf16", "*bf16"),
     "readout": ("*bf16", "*bf16", "*bf16", "*bf16", "*fp32", "*bf16"),
     "mix": ("*fp32", "*fp32", "*bf16"),
-    "bwd_queries": ("*bf16",) * 6 + ("*fp32", "*bf16", "*fp32", "*fp32"),
-    "bwd_summaries": ("*bf16", "*bf16", "*fp32", "*fp32", "*fp32"),
+    "bwd_queries": ("*bf16",) * 6 + ("*fp32", "*bf16", "*fp32"),
+    "bwd_summaries": ("*bf16", "*bf16", "*fp32", "*fp32"),
     "mix_t": ("*fp32", "*fp32", "*bf16"),
     "bwd_keys": ("*bf16",) * 4 + ("*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*fp32"),
     "sum_partials": ("*fp32", "*fp32"),
 }
-HILO_POINTERS = {"bwd_summaries": ("*bf16", "*bf16", "*bf16", "*fp32", "*fp32"), "mix_t": ("*fp32", "*bf16", "*bf16")}
+HILO_POINTERS = {"bwd_summaries": ("*bf16", "*bf16", "*bf16", "*fp32"), "mix_t": ("*fp32", "*bf16", "*bf16")}
 
 
 def compile_sm90(fn, args: dict, options: dict):

@@ -76,24 +76,25 @@ def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
 
 @triton.jit
 def _summaries_kernel(
-    K, V, S, W, DZ, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HS, M, COLS: tl.constexpr,
+    K, V, S, W, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HS, M, COLS: tl.constexpr,
     L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
     GROUP: tl.constexpr = 1, WEIGHTED: tl.constexpr = False, scale=1.0, PDL: tl.constexpr = False,
-    HILO: tl.constexpr = False, LO=0, DZ_PARTS: tl.constexpr = 0,
+    HILO: tl.constexpr = False, LO=0,
 ):
     """S[b, s, m] = Σ φ(k)ᵀ v and z = Σ φ(k) over block m's tokens (a share of its tiles when split), for
     the GROUP heads s·GROUP … of k and v.
 
     WEIGHTED is the backward's dS̃_i = Σ (scale φ(q))ᵀ dnum, dz̃_i = Σ scale φ(q) dden (K = q, V = do, GROUP =
     query heads per mixed summary): with dnum = do / (den + eps) and dden = −(do·o) / (den + eps), each token's
-    φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) (from `_bwd_query_kernel`); dz̃ is the float32
-    sum of those rows weighted by W[b, h, 1, n] = −do·o, or, DZ_PARTS > 0, the sum of the query kernel's float32
-    partials DZ (DZ_PARTS per query head and block, added by the block's first program), which has each
-    token's weights in registers already (`DZ_IN_QUERIES`). The weight goes on φ, already in registers, and not
-    on the loaded v tile: rescaling that tile before its product made Triton 3.6 read shared memory out of
-    range (bf16, sm_90).
+    φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) (from `_bwd_query_kernel`) and rounded to the
+    input's precision once, the operand of both products: dS̃'s with do, and dz̃'s with W[b, h, 1, n] = −do·o
+    in two columns, its hi and lo half parts (in place of the forward's ones). Rounding those rows is the
+    error dS̃ has anyway, and it costs dk and dmixing nothing more measurable in dz̃ (a float32 sum of the
+    unrounded rows, per tile across warps, took dS̃ from 0.089 to 0.135 ms on Wan). The weight goes on φ,
+    already in registers, and not on the loaded v tile: rescaling that tile before its product made Triton
+    3.6 read shared memory out of range (bf16, sm_90).
 
     z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
     measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim
@@ -108,7 +109,6 @@ def _summaries_kernel(
     nt = L0 * L1 * L2
     s_ll = tl.zeros((BD, BDV), tl.float32)
     z_l = tl.zeros((BD, 16), tl.float32)  # 16 equal columns: the smallest tile product
-    zw_l = tl.zeros((BD,), tl.float32)  # (WEIGHTED)
     if BDVH:
         eh = BDV + tl.arange(0, BDVH)
         ehm = eh < DV
@@ -118,7 +118,6 @@ def _summaries_kernel(
         dhm = dh < D
         s_hl = tl.zeros((BDH, BDV), tl.float32)
         z_h = tl.zeros((BDH, 16), tl.float32)
-        zw_h = tl.zeros((BDH,), tl.float32)
         if BDVH:
             s_hh = tl.zeros((BDH, BDVH), tl.float32)
     for it in range(GROUP * TILES_PER_PROG):  # (one loop over heads and tiles: Triton pipelines the innermost)
@@ -128,19 +127,20 @@ def _summaries_kernel(
         n, valid = _rows(m, t * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
         vv = _load_rows(vp, n, valid, svn, e, em)
         dt = vv.dtype
-        ones = tl.full((BT, 16), 1.0, dt)
         fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
         if WEIGHTED:
             wp = W + (b * HS * GROUP + h) * 2 * nt
             wq = tl.load(wp + n, mask=valid, other=0.0) * scale
             fk = fk * wq[:, None]
-            if not DZ_PARTS:
-                wz = tl.load(wp + nt + n, mask=valid, other=0.0)
-                zw_l += tl.sum(fk * wz[:, None], 0)
+            wz = tl.load(wp + nt + n, mask=valid, other=0.0)
+            wz_hi = wz.to(dt)
+            col = tl.arange(0, 16)[None, :]  # (BT, 16): W[1]'s hi part in column 0, its lo part in column 1
+            ones = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32))[:, None], 0.0)).to(dt)
+        else:
+            ones = tl.full((BT, 16), 1.0, dt)
         fk = tl.trans(fk.to(dt))
         s_ll += tl.dot(fk, vv, input_precision=DOT_PREC)
-        if not WEIGHTED:
-            z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
+        z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
         if BDVH:
             vh = _load_rows(vp, n, valid, svn, eh, ehm)
             s_lh += tl.dot(fk, vh, input_precision=DOT_PREC)
@@ -148,38 +148,25 @@ def _summaries_kernel(
             fkh, _ = _load_phi(kp, n, valid, skn, dh, dhm, PHI)
             if WEIGHTED:
                 fkh = fkh * wq[:, None]
-                if not DZ_PARTS:
-                    zw_h += tl.sum(fkh * wz[:, None], 0)
             fkh = tl.trans(fkh.to(dt))
             s_hl += tl.dot(fkh, vv, input_precision=DOT_PREC)
-            if not WEIGHTED:
-                z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
+            z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
             if BDVH:
                 s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
-    if WEIGHTED and DZ_PARTS:  # (the block's first program adds dz̃)
-        zw_l = _dz_sum(DZ, (b * HS + hs) * GROUP, M, m, d, dm & (split == 0), GROUP, DZ_PARTS, D)
-        if BDH:
-            zw_h = _dz_sum(DZ, (b * HS + hs) * GROUP, M, m, dh, dhm & (split == 0), GROUP, DZ_PARTS, D)
+    # z: the 16 equal columns' one, or (WEIGHTED) the sum of W[1]'s hi and lo columns
+    z_l = tl.sum(z_l, 1) if WEIGHTED else tl.max(z_l, 1)
+    if BDH:
+        z_h = tl.sum(z_h, 1) if WEIGHTED else tl.max(z_h, 1)
     out = S + (bh * M + m).to(tl.int64) * COLS
     _put(out + d[:, None] * DV + e[None, :], s_ll, dm[:, None] & em[None, :], ATOMIC, HILO, LO)
-    _put(out + D * DV + d, zw_l if WEIGHTED else tl.max(z_l, 1), dm, ATOMIC, HILO, LO)
+    _put(out + D * DV + d, z_l, dm, ATOMIC, HILO, LO)
     if BDVH:
         _put(out + d[:, None] * DV + eh[None, :], s_lh, dm[:, None] & ehm[None, :], ATOMIC, HILO, LO)
     if BDH:
         _put(out + dh[:, None] * DV + e[None, :], s_hl, dhm[:, None] & em[None, :], ATOMIC, HILO, LO)
-        _put(out + D * DV + dh, zw_h if WEIGHTED else tl.max(z_h, 1), dhm, ATOMIC, HILO, LO)
+        _put(out + D * DV + dh, z_h, dhm, ATOMIC, HILO, LO)
         if BDVH:
             _put(out + dh[:, None] * DV + eh[None, :], s_hh, dhm[:, None] & ehm[None, :], ATOMIC, HILO, LO)
-
-
-@triton.jit
-def _dz_sum(DZ, h0, M, m, d, dmask, GROUP: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr):
-    """dz̃ columns d of block m: Σ of `_bwd_query_kernel`'s partials DZ[b·H + h, m, part] over the query
-    heads h0 … h0 + GROUP − 1 of one mixed summary and their PARTS (one per program of a split block)."""
-    z = tl.zeros(d.shape, tl.float32)
-    for r in range(GROUP * PARTS):
-        z += tl.load(DZ + (((h0 + r // PARTS) * M + m) * PARTS + r % PARTS) * D + d, mask=dmask, other=0.0)
-    return z
 
 
 @triton.jit
@@ -382,17 +369,16 @@ def _readout_kernel(
 
 @triton.jit
 def _bwd_query_kernel(
-    Q, K, V, O, DO, ST, MIX, DQ, W, DZ,
+    Q, K, V, O, DO, ST, MIX, DQ, W,
     sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
     H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
     L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, PDL: tl.constexpr = False,
-    DZ_OUT: tl.constexpr = False,
 ):
-    """dq for token tiles of block i of query head h (S̃_i loaded once), per token W[b, h, 0, n] =
-    1/(den + eps), W[b, h, 1, n] = −do·o, from which the summaries kernel (WEIGHTED) makes dS̃ and the key
-    side its own-chunk terms, and, DZ_OUT, this program's float32 share DZ[b, h, i, split] of dz̃_i = Σ scale φ(q) dden. With o = num / (den + eps): dnum = do / (den + eps), dden = −(do·o) / (den + eps),
+    """dq for token tiles of block i of query head h (S̃_i loaded once), and per token W[b, h, 0, n] =
+    1/(den + eps), W[b, h, 1, n] = −do·o, from which the summaries kernel (WEIGHTED) makes dS̃ and dz̃ and
+    the key side its own-chunk terms. With o = num / (den + eps): dnum = do / (den + eps), dden = −(do·o) / (den + eps),
     dφ(q) = S̃_i dnum + z̃_i dden; causal adds the own-chunk terms through dA = m_ii (dnum vᵀ + dden).
     Unnormalised: W = (1, 0). No accumulator across tiles, so nothing limits the programs per SM but
     the tiles (the dS̃ accumulator in here held one program per SM at 255 registers)."""
@@ -411,7 +397,6 @@ def _bwd_query_kernel(
         mii = tl.load(MIX + h * MIX_SH + m * M + m).to(tl.float32)
     nt = L0 * L1 * L2
     wp = W + (b * H + h) * 2 * nt
-    dz = tl.zeros((BT, BD), tl.float32)  # (summed over tokens once, after the loop: a cross-warp reduction)
     for t in range(TILES_PER_PROG):
         j = (split * TILES_PER_PROG + t) * BT + tl.arange(0, BT)
         n, valid = _rows(m, j, L0, L1, L2, S0, S1, S2, NB1, NB2, T)
@@ -432,8 +417,6 @@ def _bwd_query_kernel(
             ndo = -tl.sum(do * o, 1)
             dden = ndo * rinv
             dnum = do * rinv[:, None]
-            if DZ_OUT:
-                dz += fq * dden[:, None]
         else:
             rinv = tl.full((BT,), 1.0, tl.float32)
             ndo = tl.zeros((BT,), tl.float32)
@@ -452,8 +435,6 @@ def _bwd_query_kernel(
                  mask=valid[:, None] & dm[None, :])
         tl.store(wp + n, rinv, mask=valid)
         tl.store(wp + nt + n, ndo, mask=valid)
-    if DZ_OUT:
-        tl.store(DZ + ((bh * M + m) * tl.num_programs(2) + split).to(tl.int64) * D + d, tl.sum(dz, 0), mask=dm)
 
 
 @triton.jit

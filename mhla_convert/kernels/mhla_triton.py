@@ -1,8 +1,8 @@
 """The Triton backend of `mhla_attention`: launches the kernels of `mhla_kernels` and wraps them
 in an autograd Function whose backward also yields the gradient of the (learnable) mixing.
 
-Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, per token
-1/(den + eps) and −do·o; for head dim 128 dz̃'s partials) → dS̃ by the summaries kernel over φ(q) and do, weighted by those →
+Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, and per
+token 1/(den + eps) and −do·o) → dS̃ and dz̃ by the summaries kernel over φ(q) and do, weighted by those →
 mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
 dS̃, and the partials are summed by one more launch. (dq and dS̃ were one kernel: its dS̃ accumulator held
@@ -60,7 +60,7 @@ FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # 
 # programs per SM fit in shared memory, not 3); dq ("bwd_queries") 0.239 -> 0.186 (3 programs per SM of 32-token
 # tiles); dk, dv ("bwd_keys") 0.180 -> 0.157. DiT: dq 0.149 -> 0.114, dk, dv 0.117 -> 0.099 (its summaries
 # gained 0.006 ms at 16k tokens with 32-token tiles but lost 0.02 at 1,024, split over programs). "bwd_summaries"
-# is dS̃ (the summaries kernel, weighted): Wan 0.135 -> 0.089 (with dz̃ from the query kernel, DZ_IN_QUERIES), DiT 0.078 -> 0.072
+# is dS̃ (the summaries kernel, weighted; dz̃ its tile product with W[1]): Wan 0.135 -> 0.099, DiT 16k 0.078 -> 0.058
 LAUNCH_CONFIGS: dict = {
     "summaries": {(128, 128): (8, 3, 128)},
     "readout": {(128, 128): (4, 1, 128)},
@@ -73,11 +73,6 @@ LAUNCH_CONFIGS: dict = {
 HILO_SUMMARIES = True  # training's summaries as hi + lo halves where the one-tile kernel makes the mixing gradient
 # (`_summaries`; dS̃ too): Wan training forward 0.226 -> 0.205 ms (mixing 0.058 -> 0.036), its mixing gradient
 # 0.092 -> 0.096 (three half products, docs/benchmarks.md)
-# head dims (D, Dv) whose dz̃ partials the query kernel sums (it holds each token's weights in registers) for
-# dS̃ to add up, instead of dS̃ summing its weighted φ rows per tile: Wan dS̃ 0.119 -> 0.089 ms (with 3 stages)
-# for dq 0.158 -> 0.168. Elsewhere the query kernel's extra registers cost more than dS̃'s sum (SANA 16k dq
-# +0.034 for dS̃ -0.019, causal 32k dq +0.06 for nothing; docs/benchmarks.md)
-DZ_IN_QUERIES: set = {(128, 128)}
 SUM_TILES = (64, 32, 4)  # rows, columns, warps of the mixing gradient's partials sum (`_sum_partials_kernel`)
 PDL = True  # chain each operator's launches by programmatic dependent launch (Hopper and later; `_chained`)
 
@@ -296,7 +291,7 @@ def _static(p: _Plan, device):
     chain = _chain_kw(device)
     dims = (p.dim, p.dv)
     key = (id(p), device, wanted, FWD_CONFIGS.get(dims), *(c.get(dims) for c in LAUNCH_CONFIGS.values()), MIX_TILES,
-           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES, tuple(DZ_IN_QUERIES), bool(chain))
+           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES, bool(chain))
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
 
@@ -313,12 +308,9 @@ def _static(p: _Plan, device):
         heads = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, **p.heads_kw())
         summaries = launch("summaries", p.kv_heads, (*ks, *vs, p.kv_heads, p.m, p.cols), atomic=True)
         mix_t = _mix_launch(p, wanted, "mix_t", chain)
-        dz_out = (p.dim, p.dv) in DZ_IN_QUERIES
-        bwd_queries = launch("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **heads, DZ_OUT=dz_out)
         # dS̃ and dz̃: the summaries of φ(q) and dnum (`_summaries_kernel`, WEIGHTED)
         bwd_summaries = launch("bwd_summaries", p.mix_heads, (*qs, *os_, p.mix_heads, p.m, p.cols), atomic=True,
-                               GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale,
-                               DZ_PARTS=bwd_queries[0][2] if dz_out else 0)
+                               GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale)
         # training's summaries and dS̃ as hi + lo halves where only the one-tile mixing gradient reads them whole
         # (its mixing heads are the key heads: both have the same size)
         hilo = (HILO_SUMMARIES and p.half_inputs and not summaries[2]["ATOMIC"] and not bwd_summaries[2]["ATOMIC"]
@@ -335,7 +327,7 @@ def _static(p: _Plan, device):
             readout=launch("readout", p.heads, (*qs, *ks, *vs, *os_, p.heads), **heads),
             mix_t=mix_t,
             **{kind: _mix_launch(p, wanted, kind, chain) for kind in ("mix", "mix_half")},
-            bwd_queries=bwd_queries,
+            bwd_queries=launch("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **heads),
             bwd_summaries=bwd_summaries,
             bwd_keys=launch("bwd_keys", p.kv_heads, (*qs, *ks, *vs, *os_, p.heads, p.kv_heads), NORMALIZE=p.normalize,
                             CAUSAL=p.causal, HKV_GROUP=p.heads // p.kv_heads, M=p.m, COLS=p.cols, MIX_SH=p.mix_sh,
@@ -411,7 +403,7 @@ def _summaries(p: _Plan, k, v, half: bool = False, f=None):
         s, launch = _new(2, p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype), f["summaries_hilo"]
     else:
         s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=split)
-    _run(K._summaries_kernel, launch, (k, v, s, k, k))  # (k: a placeholder for the backward's W and DZ)
+    _run(K._summaries_kernel, launch, (k, v, s, k))  # (k: a placeholder for the weights W)
     return s
 
 
@@ -457,27 +449,22 @@ def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
 
 
 def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing, f):
-    """dq; the per-token weights W (B, H, 2, N) = (1/(den + eps), −do·o) that dS̃ and the key side read; and,
-    for `DZ_IN_QUERIES`, the float32 partials (B, H, M, programs per block, D) of dz̃ = Σ φ(q) dden that dS̃ sums
-    (else w, a placeholder)."""
-    launch = f["bwd_queries"]
+    """dq, and the per-token weights W (B, H, 2, N) = (1/(den + eps), −do·o) that dS̃ and the key side read."""
     dq = _new(*q.shape, device=q.device, dtype=q.dtype)
     w = _new(p.batch, p.heads, 2, p.tokens, device=q.device, dtype=torch.float32)
-    dz = _new(p.batch, p.heads, p.m, launch[0][2], p.dim, device=q.device, dtype=torch.float32) \
-        if launch[2]["DZ_OUT"] else w
-    _run(K._bwd_query_kernel, launch, (q, k, v, o, do, st, mixing, dq, w, dz))
-    return dq, w, dz
+    _run(K._bwd_query_kernel, f["bwd_queries"], (q, k, v, o, do, st, mixing, dq, w))
+    return dq, w
 
 
-def _bwd_summaries(p: _Plan, q, do, w, dz, f):
-    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden (or the sum of `_bwd_queries`'s partials dz) per block and mixing
-    head by the summaries kernel: float32, or as hi + lo halves (2, B, H_mix, M, COLS) where the training summaries are (`_summaries`)."""
+def _bwd_summaries(p: _Plan, q, do, w, f):
+    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head by the summaries kernel: float32, or as
+    hi + lo halves (2, B, H_mix, M, COLS) where the training summaries are (`_summaries`)."""
     launch = f["bwd_summaries"]
     if f["hilo"]:
         dst = _new(2, p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=q.dtype)
     else:
         dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=launch[2]["ATOMIC"])
-    _run(K._summaries_kernel, launch, (q, do, dst, w, dz))
+    _run(K._summaries_kernel, launch, (q, do, dst, w))
     return dst
 
 
@@ -506,8 +493,8 @@ def _bwd_keys(p: _Plan, q, k, v, do, mixing, ds, w, f):
 def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's."""
     f = _static(p, q.device)
-    dq, w, dz = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
-    dst = _bwd_summaries(p, q, do, w, dz, f)
+    dq, w = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
+    dst = _bwd_summaries(p, q, do, w, f)
     ds, part = _mix_t(p, mixing, dst, s, st.dtype, f)
     dk, dv, dmii = _bwd_keys(p, q, k, v, do, mixing, ds, w, f)
     dmix = _mixing_grad(p, dst, s, part, dmii, f).to(mixing.dtype) if need_mixing else None
