@@ -91,8 +91,9 @@ def _summaries_kernel(
     φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) (from `_bwd_query_kernel`) and rounded to the
     input's precision once, the operand of both products: dS̃'s with do, and dz̃'s with W[b, h, 1, n] = −do·o
     in two columns, its hi and lo half parts (in place of the forward's ones). Rounding those rows is the
-    error dS̃ has anyway, and it costs dk and dmixing nothing more measurable in dz̃ (a float32 sum of the
-    unrounded rows, per tile across warps, took dS̃ from 0.089 to 0.135 ms on Wan). The weight goes on φ,
+    error dS̃ has anyway, and in dz̃ it adds nothing measurable to dk's and dmixing's (a float64 emulation,
+    docs/benchmarks.md); a float32 sum of the unrounded rows, across warps per tile, made Wan's dS̃ 0.135 ms
+    (0.098 now, 0.089 with no dz̃ at all). The weight goes on φ,
     already in registers, and not on the loaded v tile: rescaling that tile before its product made Triton
     3.6 read shared memory out of range (bf16, sm_90).
 
@@ -135,12 +136,12 @@ def _summaries_kernel(
             wz = tl.load(wp + nt + n, mask=valid, other=0.0)
             wz_hi = wz.to(dt)
             col = tl.arange(0, 16)[None, :]  # (BT, 16): W[1]'s hi part in column 0, its lo part in column 1
-            ones = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32))[:, None], 0.0)).to(dt)
+            zr = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32))[:, None], 0.0)).to(dt)
         else:
-            ones = tl.full((BT, 16), 1.0, dt)
+            zr = tl.full((BT, 16), 1.0, dt)  # (z's right operand: ones, or W[1]'s parts)
         fk = tl.trans(fk.to(dt))
         s_ll += tl.dot(fk, vv, input_precision=DOT_PREC)
-        z_l += tl.dot(fk, ones, input_precision=DOT_PREC)
+        z_l += tl.dot(fk, zr, input_precision=DOT_PREC)
         if BDVH:
             vh = _load_rows(vp, n, valid, svn, eh, ehm)
             s_lh += tl.dot(fk, vh, input_precision=DOT_PREC)
@@ -150,7 +151,7 @@ def _summaries_kernel(
                 fkh = fkh * wq[:, None]
             fkh = tl.trans(fkh.to(dt))
             s_hl += tl.dot(fkh, vv, input_precision=DOT_PREC)
-            z_h += tl.dot(fkh, ones, input_precision=DOT_PREC)
+            z_h += tl.dot(fkh, zr, input_precision=DOT_PREC)
             if BDVH:
                 s_hh += tl.dot(fkh, vh, input_precision=DOT_PREC)
     # z: the 16 equal columns' one, or (WEIGHTED) the sum of W[1]'s hi and lo columns
