@@ -139,7 +139,8 @@ def breakdown_keys(backward=True):
 MIX_SWEEP = {
     "half": [(128, 8, 2, 1), (128, 8, 3, 1), (64, 4, 3, 2), (64, 8, 3, 2), (32, 4, 4, 2)],
     "float": [(64, 8, 2, 1), (64, 8, 3, 1), (64, 4, 2, 2), (32, 4, 3, 2), (32, 8, 3, 1), (128, 8, 2, 1)],
-    "grad": [(32, 8, 3, 1), (32, 8, 2, 1), (32, 8, 4, 1), (64, 8, 3, 1), (32, 4, 3, 2), (32, 4, 2, 4)],
+    "grad": [(64, 8, 2, 1), (32, 8, 3, 1), (32, 8, 4, 1), (64, 8, 3, 1), (32, 4, 3, 2), (32, 4, 2, 4)],
+    "grad_float": [(32, 8, 3, 1), (32, 8, 2, 1), (64, 8, 2, 1), (32, 4, 3, 2)],
 }
 
 
@@ -154,7 +155,9 @@ def _inputs(heads, dim, layout, causal):
 def mix_sweep():
     """Each mixing launch per one-tile launch shape (`MIX_SWEEP`) against the row-tiled kernel: inference's
     half summaries ("half"), training's float32 ones ("float"), and the backward's transposed mixing with
-    the mixing gradient ("grad"; row-tiled: the transposed GEMM plus `_dmix_kernel`)."""
+    the mixing gradient over hi + lo halves ("grad") or float32 dS̃ and summaries ("grad_float", where
+    `_static` finds no one-tile "grad" setting: its summaries are then float32); row-tiled: the transposed
+    GEMM plus `_dmix_kernel`."""
     saved = MT.MIX_SWEEP
     print("| shape | operand | (BN, warps, stages, programs per SM) | ms |")
     for shape, args in SHAPES.items():
@@ -171,7 +174,7 @@ def mix_sweep():
             MT._mixing_grad(plan, dst, s, part, dmii, f)
 
         launches = {"half": lambda: MT._mix(plan, mixing, s_half, st, kind="mix_half"),
-                    "float": lambda: MT._mix(plan, mixing, s_float, st, kind="mix"), "grad": grad}
+                    "float": lambda: MT._mix(plan, mixing, s_float, st, kind="mix"), "grad": grad, "grad_float": grad}
         for kind, fn in launches.items():
             for tiles in [*MIX_SWEEP[kind], "row-tiled"]:
                 MT.MIX_SWEEP = {} if tiles == "row-tiled" else {(MT._p2(plan.m), kind): tiles}

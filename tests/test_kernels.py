@@ -263,7 +263,7 @@ def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
     interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad")})
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")})
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -297,7 +297,7 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     tl.dot is wrong in Triton 3.6, bf16 on a GPU); grouped mixing heads keep the tiled kernels."""
     if not (INTERPRETED or CUDA):
         pytest.skip("needs the interpreter or a GPU")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad")})
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")})
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t))
     dtype = torch.bfloat16 if CUDA else torch.float16
@@ -395,6 +395,47 @@ def test_cuda_chained_launches(name, monkeypatch):
         assert all(kw.get("launch_pdl", False) == chained for kw in launched) and len(launched) >= 6
     for got, want in zip(results[True], results[False]):
         assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()) < 1e-6
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hilo", [True, False], ids=["hilo", "float32"])
+@pytest.mark.parametrize("name", ["wan-blocks-105", "wan-d128"])
+def test_cuda_one_tile_gradient_launch_settings(name, hilo, monkeypatch):
+    """The shipped MIX_SWEEP settings of the one-tile mixing gradient fit the GPU for both operand forms (hi + lo
+    halves, and float32 where blocks are split or HILO_SUMMARIES is off: twice the shared memory per tile), and
+    give the torch path's results."""
+    monkeypatch.setattr(mhla_triton, "HILO_SUMMARIES", hilo)
+    launched, real_run = [], mhla_triton._run
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t))
+    _compare(FAMILY_CASES[name], torch.bfloat16, "cuda", TOL[torch.bfloat16])
+    grads = [kw for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel and kw["GRAD"]]
+    assert len(grads) == 1 and grads[0].get("HILO", False) == hilo
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["wan-blocks-105", "wan-d128"])
+def test_cuda_partials_sum_on_a_second_stream(name, monkeypatch):
+    """From `SIDE_SUM_MIN_ELEMENTS` on, the mixing gradient's partials are summed on a second stream beside the
+    key side: the results are the one stream's, bit for bit. Sleeps before the transposed mixing (main stream)
+    and before the sum (side stream) make a missing wait read poisoned partials, or hand back the gradient
+    before it is written."""
+    case, results = FAMILY_CASES[name], {}
+    real_mix_t, real_grad = mhla_triton._mix_t, mhla_triton._mixing_grad
+    for side in (True, False):
+        monkeypatch.setattr(mhla_triton, "SIDE_SUM_MIN_ELEMENTS", 0 if side else 1 << 62)
+        streams = []
+        monkeypatch.setattr(mhla_triton, "_mix_t", lambda *a: torch.cuda._sleep(10**7) or real_mix_t(*a))
+        monkeypatch.setattr(mhla_triton, "_mixing_grad", lambda *a: streams.append(torch.cuda.current_stream())
+                            or torch.cuda._sleep(10**7) or real_grad(*a))
+        torch.manual_seed(0)
+        tensors = _inputs(case, torch.bfloat16, "cuda")
+        grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
+        results[side] = _run(case, tensors, "triton", grad_out)
+        assert (streams[0] != torch.cuda.current_stream()) == side
+    for got, want in zip(results[True], results[False]):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

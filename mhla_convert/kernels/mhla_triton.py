@@ -5,7 +5,8 @@ Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: que
 token 1/(den + eps) and −do·o) → dS̃ and dz̃ by the summaries kernel over φ(q) and do, weighted by those →
 mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
-dS̃, and the partials are summed by one more launch. (dq and dS̃ were one kernel: its dS̃ accumulator held
+dS̃, and the partials are summed by one more launch (for large problems on a second stream, beside the key
+side: `SIDE_SUM_MIN_ELEMENTS`). (dq and dS̃ were one kernel: its dS̃ accumulator held
 it at one program per SM.) On Hopper the launches are chained by programmatic dependent launch (`PDL`).
 The summaries at float32 precision and the mixed ones (in the input dtype for half inputs: they are a
 matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far below the
@@ -41,10 +42,14 @@ MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of be
 # head reads one input head (`_mix_sweep_kernel`): (BM, operand) -> (BN, warps, stages, programs per SM), from
 # `kernel_breakdown.py --mix-sweep`. Operand "half": inference's half summaries (Wan, M = 105: 0.093 ms
 # row-tiled -> 0.036; DiT/SANA 16k, M = 64: 0.015 -> 0.014); "float": training's float32 summaries; "grad":
-# the backward's float32 dS̃ with the mixing gradient in the same pass. Other BM (row-tiled was as fast at
-# M = 16), float32 inputs and grouped heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
+# the backward's dS̃ with the mixing gradient in the same pass, over hi + lo halves (Wan: 64-column tiles in 2
+# stages, 0.106 -> 0.097 ms with the partials' sum, against 32 columns in 3 stages; only 2 stages fit beside the
+# mixing weights' hi + lo halves in shared memory); "grad_float": the same over float32 dS̃ and summaries (where
+# those are not halves: blocks split over programs, or HILO_SUMMARIES off), whose tiles take twice the room. Other BM (row-tiled was as fast at M = 16), float32 inputs and grouped heads take
+# `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
 MIX_SWEEP: dict = {(128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2), (128, "float"): (64, 8, 3, 1),
-                   (128, "grad"): (32, 8, 3, 1), (64, "grad"): (32, 4, 3, 2)}
+                   (128, "grad"): (64, 8, 2, 1), (64, "grad"): (32, 4, 3, 2),
+                   (128, "grad_float"): (32, 8, 3, 1), (64, "grad_float"): (32, 4, 3, 2)}
 MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: causal 32k (M = 512)
 # forward 0.755 -> 0.454 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
 SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
@@ -60,12 +65,14 @@ FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # 
 # programs per SM fit in shared memory, not 3); dq ("bwd_queries") 0.239 -> 0.186 (3 programs per SM of 32-token
 # tiles); dk, dv ("bwd_keys") 0.180 -> 0.157. DiT: dq 0.149 -> 0.114, dk, dv 0.117 -> 0.099 (its summaries
 # gained 0.006 ms at 16k tokens with 32-token tiles but lost 0.02 at 1,024, split over programs). "bwd_summaries"
-# is dS̃ (the summaries kernel, weighted; dz̃ its tile product with W[1]): Wan 0.135 -> 0.099, DiT 16k 0.078 -> 0.058
+# is dS̃ (the summaries kernel, weighted; dz̃ its tile product with W[1]): Wan 0.135 -> 0.099, DiT 16k 0.078 -> 0.058.
+# Eighth session, Wan: dq at a 128-register cap (4 programs per SM; 14 bytes spilled) 0.158 -> 0.153, dS̃ in
+# 32-token tiles 0.098 -> 0.096 (fwd+bwd 0.699-0.701 -> 0.695-0.698 ms, three processes each)
 LAUNCH_CONFIGS: dict = {
     "summaries": {(128, 128): (8, 3, 128)},
     "readout": {(128, 128): (4, 1, 128)},
-    "bwd_queries": {(128, 128): (4, 1, 168, 32), (72, 72): (4, 1, 168, 32)},
-    "bwd_summaries": {(128, 128): (8, 3, 128), (72, 72): (4, 3, None)},
+    "bwd_queries": {(128, 128): (4, 1, 128, 32), (72, 72): (4, 1, 168, 32)},
+    "bwd_summaries": {(128, 128): (8, 3, 128, 32), (72, 72): (4, 3, None)},
     "bwd_keys": {(128, 128): (8, 2, 128, 64), (72, 72): (8, 2, 128, 64)},
 }
 
@@ -75,6 +82,10 @@ HILO_SUMMARIES = True  # training's summaries as hi + lo halves where the one-ti
 # 0.092 -> 0.096 (three half products, docs/benchmarks.md)
 SUM_TILES = (64, 32, 4)  # rows, columns, warps of the mixing gradient's partials sum (`_sum_partials_kernel`)
 PDL = True  # chain each operator's launches by programmatic dependent launch (Hopper and later; `_chained`)
+# the mixing gradient's partials are summed on a second stream beside the key side from this many elements of q,
+# k, v and o on (B·N·(H + H_kv)·(D + Dv); Wan, DiT and SANA at 16k tokens and more): Wan 31,500 fwd+bwd 0.709 ->
+# 0.702 ms (the sum's 0.009 hidden). Below it the two stream waits' host time would go on host-bound shapes.
+SIDE_SUM_MIN_ELEMENTS = 1 << 25
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
 
@@ -291,7 +302,8 @@ def _static(p: _Plan, device):
     chain = _chain_kw(device)
     dims = (p.dim, p.dv)
     key = (id(p), device, wanted, FWD_CONFIGS.get(dims), *(c.get(dims) for c in LAUNCH_CONFIGS.values()), MIX_TILES,
-           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES, bool(chain))
+           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES, SIDE_SUM_MIN_ELEMENTS,
+           bool(chain))
     hit = _STATIC.get(key)
     if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
 
@@ -307,14 +319,14 @@ def _static(p: _Plan, device):
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
         heads = dict(NORMALIZE=p.normalize, CAUSAL=p.causal, **p.heads_kw())
         summaries = launch("summaries", p.kv_heads, (*ks, *vs, p.kv_heads, p.m, p.cols), atomic=True)
-        mix_t = _mix_launch(p, wanted, "mix_t", chain)
         # dS̃ and dz̃: the summaries of φ(q) and dnum (`_summaries_kernel`, WEIGHTED)
         bwd_summaries = launch("bwd_summaries", p.mix_heads, (*qs, *os_, p.mix_heads, p.m, p.cols), atomic=True,
                                GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale)
         # training's summaries and dS̃ as hi + lo halves where only the one-tile mixing gradient reads them whole
         # (its mixing heads are the key heads: both have the same size)
         hilo = (HILO_SUMMARIES and p.half_inputs and not summaries[2]["ATOMIC"] and not bwd_summaries[2]["ATOMIC"]
-                and mix_t[0] is K._mix_sweep_kernel)
+                and _mix_launch(p, wanted, "mix_t", chain)[0] is K._mix_sweep_kernel)
+        mix_t = _mix_launch(p, wanted, "mix_t" if hilo else "mix_t_float", chain)  # (float32 tiles take more room)
         if hilo:
             lo = dict(HILO=True, LO=p.batch * p.kv_heads * p.m * p.cols)
             mix_t = (mix_t[0], _with(mix_t[1], **lo))
@@ -339,6 +351,8 @@ def _static(p: _Plan, device):
         br, bc, warps = SUM_TILES
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **chain)
         hit["sum_partials"] = ((rows, _cdiv(p.m * p.m, bc)), (), kw, tuple(kw.items()))
+        hit["side_sum"] = (device.type == "cuda" and not interpreting() and not p.causal
+                           and p.batch * p.tokens * (p.heads + p.kv_heads) * (p.dim + p.dv) >= SIDE_SUM_MIN_ELEMENTS)
         if len(_STATIC) > 1024:
             _STATIC.clear()
         _STATIC[key] = hit
@@ -352,23 +366,26 @@ def _with(launch, **extra):
     return grid, ints, kw, tuple(kw.items())
 
 
+_OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float": "grad_float"}  # MIX_SWEEP's keys
+
+
 def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
     """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
     summaries) and "mix_half" (half ones: inference, and training's hi parts): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
     yields the mixing gradient's partials)."""
     m, cols = p.m, p.cols
-    if kind == "mix_t":
+    if kind.startswith("mix_t"):
         h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
     else:
         h_in, h_out, r, gx, a_si, a_sk, mask = p.kv_heads, p.mix_heads, 1, p.mix_heads // p.kv_heads, m, 1, 1
     strides = (h_in * m * cols, m * cols, h_out * m * cols, m * cols)
     mask = mask if p.causal else 0
-    sweep = MIX_SWEEP.get((_p2(m), {"mix": "float", "mix_half": "half", "mix_t": "grad"}[kind]))
+    sweep = MIX_SWEEP.get((_p2(m), _OPERANDS[kind]))
     if sweep and r == 1 and p.half_inputs:
         bn, warps, stages, per_sm = sweep
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, wanted * per_sm // PROGRAMS_PER_SM))
-        kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind == "mix_t",
+        kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind.startswith("mix_t"),
                   num_warps=warps, num_stages=stages, **chain)
         return K._mix_sweep_kernel, ((p.batch * h_out, splits), (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides), kw,
                                      tuple(kw.items()))
@@ -496,9 +513,29 @@ def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
     dq, w = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
     dst = _bwd_summaries(p, q, do, w, f)
     ds, part = _mix_t(p, mixing, dst, s, st.dtype, f)
+    side = _side_stream(q.device) if need_mixing and part is not None and f["side_sum"] else None
+    if side is not None:  # the partials' sum (all it needs is made) beside the key side
+        main = torch.cuda.current_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dmix = _mixing_grad(p, dst, s, part, None, f)
+        dmix.record_stream(main)  # (made on the side stream, used and freed on the main one)
     dk, dv, dmii = _bwd_keys(p, q, k, v, do, mixing, ds, w, f)
-    dmix = _mixing_grad(p, dst, s, part, dmii, f).to(mixing.dtype) if need_mixing else None
-    return dq, dk, dv, dmix
+    if side is not None:
+        main.wait_stream(side)
+    elif need_mixing:
+        dmix = _mixing_grad(p, dst, s, part, dmii, f)
+    return dq, dk, dv, dmix.to(mixing.dtype) if need_mixing else None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 def _dmix_launch(p: _Plan, wanted: int, chain: dict):
