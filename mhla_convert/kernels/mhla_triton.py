@@ -45,8 +45,9 @@ MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of be
 # the backward's dS̃ with the mixing gradient in the same pass, over hi + lo halves (Wan: 64-column tiles in 2
 # stages, 0.106 -> 0.097 ms with the partials' sum, against 32 columns in 3 stages; only 2 stages fit beside the
 # mixing weights' hi + lo halves in shared memory); "grad_float": the same over float32 dS̃ and summaries (where
-# those are not halves: blocks split over programs, or HILO_SUMMARIES off), whose tiles take twice the room. Other BM (row-tiled was as fast at M = 16), float32 inputs and grouped heads take
-# `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
+# those are not halves: blocks split over programs, or HILO_SUMMARIES off), whose tiles take twice the room (the
+# 64-column setting does not fit there). Other BM (row-tiled was as fast at M = 16), float32 inputs and grouped
+# heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
 MIX_SWEEP: dict = {(128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2), (128, "float"): (64, 8, 3, 1),
                    (128, "grad"): (64, 8, 2, 1), (64, "grad"): (32, 4, 3, 2),
                    (128, "grad_float"): (32, 8, 3, 1), (64, "grad_float"): (32, 4, 3, 2)}
@@ -373,7 +374,8 @@ def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
     """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
     summaries) and "mix_half" (half ones: inference, and training's hi parts): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
-    yields the mixing gradient's partials)."""
+    yields the mixing gradient's partials), with dS̃ and S as hi + lo halves; "mix_t_float": the same over
+    float32 ones (its own launch setting: the tiles take twice the shared memory)."""
     m, cols = p.m, p.cols
     if kind.startswith("mix_t"):
         h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
@@ -532,6 +534,7 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_stream(device) -> torch.cuda.Stream:
+    """The device's second stream, made once (and kept: a new stream per backward would cost host time)."""
     stream = _SIDE_STREAMS.get(device.index)
     if stream is None:
         stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
