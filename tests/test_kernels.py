@@ -214,6 +214,12 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     assert err < 2e-5, f"relative error {err:.1e}: the weights were rounded to half precision"
 
 
+def _block_sums(x, y, layout):
+    """float64 Σ over each block's tokens of x_n y_nᵀ (B, H, M, Dx·Dy) for (B, N, H, D) x, y."""
+    onehot = torch.nn.functional.one_hot(layout.block_ids(x.device).flatten(), layout.num_blocks).double()
+    return torch.einsum("bnhd,bnhe,nm->bhmde", x.double(), y.double(), onehot).flatten(-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("split", [False, True], ids=["whole-blocks", "split-blocks"])
 def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch):
@@ -239,20 +245,13 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
     assert f["bwd_summaries"][2]["ATOMIC"] == split
     dst = mhla_triton._bwd_summaries(plan, q, do, w, f).double()
     fq = (torch.relu(q.double()) * (w[:, :, 0].double() * scale).transpose(1, 2)[..., None]).to(dtype).double()
-    onehot = torch.nn.functional.one_hot(layout.block_ids(device).flatten(), m).double()  # (N, M)
     group = lambda x: x.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)  # noqa: E731  (query heads of one mixed summary)
-    want_s = group(torch.einsum("bnhd,bnhe,nm->bhmde", fq, do.double(), onehot)).flatten(-2)
-    want_z = group(torch.einsum("bnhd,bhn,nm->bhmd", fq, w[:, :, 1].double(), onehot))
+    want_s = group(_block_sums(fq, do, layout))
+    want_z = group(_block_sums(fq, w[:, :, 1].transpose(1, 2)[..., None], layout))
     for name, got, want in (("dz", dst[..., dim * dv:], want_z), ("dS", dst[..., : dim * dv], want_s)):
         assert torch.isfinite(got).all(), f"{name}: an unwritten element"
         err = ((got - want).norm() / want.norm()).item()
         assert err < 2e-5, f"{name}: relative error {err:.1e} (a sum or W[1] rounded to half precision?)"
-
-
-def _block_sums(x, y, layout):
-    """float64 Σ over each block's tokens of x_n y_nᵀ (B, H, M, Dx·Dy) for (B, N, H, D) x, y."""
-    onehot = torch.nn.functional.one_hot(layout.block_ids(x.device).flatten(), layout.num_blocks).double()
-    return torch.einsum("bnhd,bnhe,nm->bhmde", x.double(), y.double(), onehot).flatten(-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

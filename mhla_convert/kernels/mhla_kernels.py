@@ -93,9 +93,8 @@ def _summaries_kernel(
     in two columns, its hi and lo half parts (in place of the forward's ones). Rounding those rows is the
     error dS̃ has anyway, and in dz̃ it adds nothing measurable to dk's and dmixing's (a float64 emulation,
     docs/benchmarks.md); a float32 sum of the unrounded rows, across warps per tile, made Wan's dS̃ 0.135 ms
-    (0.098 now, 0.089 with no dz̃ at all). The weight goes on φ,
-    already in registers, and not on the loaded v tile: rescaling that tile before its product made Triton
-    3.6 read shared memory out of range (bf16, sm_90).
+    (0.098 now, 0.089 with no dz̃ at all). The weight goes on φ, already in registers, and not on the loaded
+    v tile: rescaling that tile before its product made Triton 3.6 read shared memory out of range (bf16, sm_90).
 
     z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
     measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim

@@ -325,9 +325,11 @@ def _static(p: _Plan, device):
                                GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale)
         # training's summaries and dS̃ as hi + lo halves where only the one-tile mixing gradient reads them whole
         # (its mixing heads are the key heads: both have the same size)
+        mix_t = _mix_launch(p, wanted, "mix_t", chain)
         hilo = (HILO_SUMMARIES and p.half_inputs and not summaries[2]["ATOMIC"] and not bwd_summaries[2]["ATOMIC"]
-                and _mix_launch(p, wanted, "mix_t", chain)[0] is K._mix_sweep_kernel)
-        mix_t = _mix_launch(p, wanted, "mix_t" if hilo else "mix_t_float", chain)  # (float32 tiles take more room)
+                and mix_t[0] is K._mix_sweep_kernel)
+        if not hilo:  # float32 dS̃ and summaries: their own setting (the tiles take twice the room)
+            mix_t = _mix_launch(p, wanted, "mix_t_float", chain)
         if hilo:
             lo = dict(HILO=True, LO=p.batch * p.kv_heads * p.m * p.cols)
             mix_t = (mix_t[0], _with(mix_t[1], **lo))
