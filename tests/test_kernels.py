@@ -298,7 +298,7 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
         pytest.skip("needs the interpreter or a GPU")
     monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")})
     launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t))
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest))
     dtype = torch.bfloat16 if CUDA else torch.float16
     case = CASES[name]
     _compare(case, dtype, "cuda" if CUDA else "cpu", TOL[dtype])
@@ -365,11 +365,16 @@ def test_cuda_matches_torch(name, dtype):
 @pytest.mark.parametrize("name", ["wan-d128", "dit-d72", "causal-blocks", "sana-d32-unnorm"])
 def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
     """Per-head-dim launch shapes (4 warps, 3 stages at every head dim) and the cached direct launches
-    (a second call replays the first call's compiled kernels)."""
+    (a second call replays the first call's compiled kernels, through Triton's C launcher itself)."""
     monkeypatch.setattr(mhla_triton, "FWD_CONFIGS", {dims: (4, 3) for dims in ((128, 128), (72, 72), (24, 20), (32, 32))})
     case = {**CASES, **FAMILY_CASES}[name]
+    compiled, real = [], mhla_triton._compiled
+    monkeypatch.setattr(mhla_triton, "_compiled", lambda *a: compiled.append(real(*a)) or compiled[-1])
     _compare(case, dtype, "cuda", TOL[dtype])
+    assert compiled and all(hit and not hasattr(hit[0], "launch") for hit in compiled)  # (not Triton's wrapper)
+    seen = len(compiled)
     _compare(case, dtype, "cuda", TOL[dtype])
+    assert len(compiled) == seen
 
 
 @pytest.mark.gpu
@@ -386,7 +391,7 @@ def test_cuda_chained_launches(name, monkeypatch):
     for chained in (True, False):
         monkeypatch.setattr(mhla_triton, "PDL", chained)
         launched = []
-        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append(launch[2]) or real_run(fn, launch, t))
+        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append(launch[2]) or real_run(fn, launch, t, *rest))
         torch.manual_seed(0)
         tensors = _inputs(case, torch.bfloat16, "cuda")
         grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
@@ -406,7 +411,7 @@ def test_cuda_one_tile_gradient_launch_settings(name, hilo, monkeypatch):
     give the torch path's results."""
     monkeypatch.setattr(mhla_triton, "HILO_SUMMARIES", hilo)
     launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t))
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest))
     _compare(FAMILY_CASES[name], torch.bfloat16, "cuda", TOL[torch.bfloat16])
     grads = [kw for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel and kw["GRAD"]]
     assert len(grads) == 1 and grads[0].get("HILO", False) == hilo
@@ -421,18 +426,25 @@ def test_cuda_partials_sum_on_a_second_stream(name, monkeypatch):
     and before the sum (side stream) make a missing wait read poisoned partials, or hand back the gradient
     before it is written."""
     case, results = FAMILY_CASES[name], {}
-    real_mix_t, real_grad = mhla_triton._mix_t, mhla_triton._mixing_grad
+    real_mix_t, real_run, real_fork = mhla_triton._mix_t, mhla_triton._run, mhla_triton._SideStream.fork
+
+    def fork_then_sleep(side):
+        real_fork(side)
+        with torch.cuda.stream(side.stream):
+            torch.cuda._sleep(10**7)
+
     for side in (True, False):
         monkeypatch.setattr(mhla_triton, "SIDE_SUM_MIN_ELEMENTS", 0 if side else 1 << 62)
         streams = []
         monkeypatch.setattr(mhla_triton, "_mix_t", lambda *a: torch.cuda._sleep(10**7) or real_mix_t(*a))
-        monkeypatch.setattr(mhla_triton, "_mixing_grad", lambda *a: streams.append(torch.cuda.current_stream())
-                            or torch.cuda._sleep(10**7) or real_grad(*a))
+        monkeypatch.setattr(mhla_triton._SideStream, "fork", fork_then_sleep)
+        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, stream=None: (
+            streams.append(stream) if fn is mhla_triton.K._sum_partials_kernel else None) or real_run(fn, launch, t, stream))
         torch.manual_seed(0)
         tensors = _inputs(case, torch.bfloat16, "cuda")
         grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
         results[side] = _run(case, tensors, "triton", grad_out)
-        assert (streams[0] != torch.cuda.current_stream()) == side
+        assert len(streams) == 1 and (streams[0] not in (None, torch.cuda.current_stream())) == side
     for got, want in zip(results[True], results[False]):
         assert torch.equal(got, want)
 

@@ -19,6 +19,8 @@ tile of all M blocks (M ≤ 128) or, for many blocks, with torch.matmul.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -156,39 +158,65 @@ def _chain_kw(device) -> dict:
 _LAUNCHERS: dict = {}
 
 
-def _launch(fn, grid, args, kw, kw_key=None, key=None):
-    """fn[grid](*args, **kw). On CUDA the compiled kernel is kept per (fn, grid, scalar args, tensor
-    dtypes and 16-byte alignment) and launched directly afterwards, which skips Triton's argument
-    binding and cache-key hashing (most of the host time of a small forward). `key`: that key, when
-    the caller has it cheaper."""
+def _launch(fn, grid, args, kw, key=None, stream=None):
+    """fn[grid](*args, **kw) on the current stream, or on `stream` (a torch.cuda.Stream). On CUDA the
+    compiled kernel is kept per (fn, grid, scalar args, tensor dtypes and 16-byte alignment) and launched
+    directly afterwards (`_compiled`). `key`: that key, when the caller has it cheaper."""
     if interpreting():
         return fn[grid](*args, **kw)
     if key is None:
-        key = (id(fn), grid, kw_key or tuple(kw.items()),
+        key = (id(fn), grid, tuple(kw.items()),
                *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
     hit = _LAUNCHERS.get(key)
     if hit is None:
-        kernel = fn[grid](*args, **kw)
-        if hasattr(kernel, "result"):
-            kernel = kernel.result()
         if len(_LAUNCHERS) > 4096:
             _LAUNCHERS.clear()
-        try:  # Triton internals: any surprise just keeps Triton's own launcher for this key
-            binder = fn.device_caches[triton.runtime.driver.active.get_current_device()][4]
-            bound = binder(*args, **kw)[0]
-            tail = [bound[name] for name in list(bound)[len(args):]]  # constexprs and defaults, fixed by the key
-            _LAUNCHERS[key] = (kernel, tail) if kernel is not None and hasattr(kernel, "packed_metadata") else False
-        except Exception:  # noqa: BLE001
-            _LAUNCHERS[key] = False
-        return kernel
+        _LAUNCHERS[key] = _compiled(fn, grid, args, kw, stream)
+    else:
+        _direct(hit, fn, grid, args, kw, stream)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _compiled(fn, grid, args, kw, stream):
+    """Launch through Triton (compiling on first use) and return how to launch the same kernel directly: (run,
+    its arguments before and after the kernel's, 3-D grid). `run` is Triton's C launcher itself, called without
+    its argument binding and cache-key hashing and, where the kernel needs no scratch memory, without the Python
+    wrapper around it: most of the host time of a small forward. False where Triton's internals are not as
+    expected: Triton's own launch is kept then."""
+    with _on(stream):
+        kernel = fn[grid](*args, **kw)
+    if hasattr(kernel, "result"):
+        kernel = kernel.result()
+    try:
+        binder = fn.device_caches[triton.runtime.driver.active.get_current_device()][4]
+        bound = binder(*args, **kw)[0]
+        tail = tuple(bound[name] for name in list(bound)[len(args):])  # constexprs and defaults, fixed by the key
+        launcher, meta = kernel.run, (kernel.function, kernel.packed_metadata, None, None, None)  # (no hooks)
+    except Exception:  # noqa: BLE001
+        return False
+    run, head = launcher, meta
+    if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0:
+        try:
+            run, head = launcher.launch, (meta[0], launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *meta[1:])
+        except AttributeError:
+            pass
+    return run, head, tail, grid + (1,) * (3 - len(grid))
+
+
+def _direct(hit, fn, grid, args, kw, stream, fast_args=None):
+    """Launch a kernel `_compiled` has seen: directly, with `fast_args` in place of `args` where given (tensors
+    as their addresses: Triton's launcher would ask each tensor for it and check it with the driver)."""
     if hit is False:
-        return fn[grid](*args, **kw)
-    kernel, tail = hit
-    g = grid + (1,) * (3 - len(grid))
+        with _on(stream):
+            fn[grid](*args, **kw)
+        return
+    run, head, tail, g = hit
     # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() was 40% of a launch's host time
-    stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
-    return kernel
+    raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if stream is None else stream.cuda_stream
+    run(g[0], g[1], g[2], raw, *head, *(args if fast_args is None else fast_args), *tail)
 
 
 def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
@@ -298,23 +326,23 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 
 def _static(p: _Plan, device):
     """Per plan (and launch settings), everything but the tensors of every launch: grids, integer
-    arguments, keyword arguments and their cache keys (host time is most of a small forward+backward)."""
-    wanted = _programs_wanted(device)
-    chain = _chain_kw(device)
-    dims = (p.dim, p.dv)
-    key = (id(p), device, wanted, FWD_CONFIGS.get(dims), *(c.get(dims) for c in LAUNCH_CONFIGS.values()), MIX_TILES,
-           tuple(MIX_SWEEP.items()), SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES, SIDE_SUM_MIN_ELEMENTS,
-           bool(chain))
+    arguments, keyword arguments and a table for their compiled kernels (host time is most of a small
+    forward+backward)."""
+    wanted, knobs = _programs_wanted(device), _knobs()
+    key = (id(p), device)
     hit = _STATIC.get(key)
-    if hit is None or hit["plan"] is not p:  # (the entry keeps its plan alive, so its id stays its own)
+    # (the entry keeps its plan alive, so its id stays its own; the settings are compared by value, a copy of them
+    # kept: a benchmark may change a table in place)
+    if hit is None or hit["plan"] is not p or hit["wanted"] != wanted or hit["knobs"] != knobs:
+        chain = _chain_kw(device)
 
         def launch(name, heads, ints, atomic=False, **extra):
-            """(grid, ints, kw, kw key) of a launch over (batch x heads, blocks, splits of each block's tiles);
+            """(grid, ints, kw, compiled-kernel table) of a launch over (batch x heads, blocks, splits of each block's tiles);
             `atomic`: the kernel adds float32 partials (ATOMIC) when a block is split."""
             kw = {**_launch_kw(p, name), **extra}
             splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, wanted)
             kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **chain, **({"ATOMIC": splits > 1} if atomic else {}))
-            return (p.batch * heads, p.m, splits), ints, kw, tuple(kw.items())
+            return (p.batch * heads, p.m, splits), ints, kw, {}
 
         qs, ks = _rows_strides(p.tokens, p.heads, p.dim), _rows_strides(p.tokens, p.kv_heads, p.dim)
         vs, os_ = _rows_strides(p.tokens, p.kv_heads, p.dv), _rows_strides(p.tokens, p.heads, p.dv)
@@ -336,6 +364,8 @@ def _static(p: _Plan, device):
             bwd_summaries = _with(bwd_summaries, **lo)
         hit = dict(
             plan=p,
+            wanted=wanted,
+            knobs=copy.deepcopy(knobs),
             hilo=hilo,
             summaries=summaries,
             summaries_hilo=_with(summaries, **lo) if hilo else None,
@@ -353,7 +383,7 @@ def _static(p: _Plan, device):
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = SUM_TILES
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **chain)
-        hit["sum_partials"] = ((rows, _cdiv(p.m * p.m, bc)), (), kw, tuple(kw.items()))
+        hit["sum_partials"] = ((rows, _cdiv(p.m * p.m, bc)), (), kw, {})
         hit["side_sum"] = (device.type == "cuda" and not interpreting() and not p.causal
                            and p.batch * p.tokens * (p.heads + p.kv_heads) * (p.dim + p.dv) >= SIDE_SUM_MIN_ELEMENTS)
         if len(_STATIC) > 1024:
@@ -362,11 +392,16 @@ def _static(p: _Plan, device):
     return hit
 
 
+def _knobs() -> tuple:
+    """The launch settings `_static` reads (module constants: benchmarks and tests change them)."""
+    return (FWD_CONFIGS, LAUNCH_CONFIGS, MIX_TILES, MIX_SWEEP, SUM_TILES, TILE_TOKENS, SPLIT_HEAD_DIMS, HILO_SUMMARIES,
+            SIDE_SUM_MIN_ELEMENTS, PDL)
+
+
 def _with(launch, **extra):
     """A launch with more keyword arguments."""
     grid, ints, kw, _ = launch
-    kw = {**kw, **extra}
-    return grid, ints, kw, tuple(kw.items())
+    return grid, ints, {**kw, **extra}, {}
 
 
 _OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float": "grad_float"}  # MIX_SWEEP's keys
@@ -392,19 +427,27 @@ def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
         kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind.startswith("mix_t"),
                   num_warps=warps, num_stages=stages, **chain)
         return K._mix_sweep_kernel, ((p.batch * h_out, splits), (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides), kw,
-                                     tuple(kw.items()))
+                                     {})
     bm, bn, bk, warps = MIX_TILES
     kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **chain)
     ints = (cols, h_out, gx, p.mix_sh, a_si, a_sk, *strides)
-    return K._mix_kernel, ((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, tuple(kw.items()))
+    return K._mix_kernel, ((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw, {})
 
 
-def _run(fn, launch, tensors):
-    """One of `_static`'s launches: tensors first, then the launch's integer arguments."""
-    grid, ints, kw, kw_key = launch
-    # (id(fn): hashing a JITFunction takes a lock and a property on every launch)
-    key = None if interpreting() else (id(fn), grid, kw_key, ints, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
-    _launch(fn, grid, (*tensors, *ints), kw, kw_key, key)
+def _run(fn, launch, tensors, stream=None):
+    """One of `_static`'s launches: tensors first, then the launch's integer arguments. The launch keeps its
+    compiled kernel per tensor dtypes and 16-byte alignment in its own table (Triton specialises on both), so
+    no key of its settings is built and hashed per call."""
+    grid, ints, kw, table = launch
+    if interpreting():
+        return fn[grid](*tensors, *ints, **kw)
+    ptrs = [t.data_ptr() for t in tensors]
+    sig = (*[t.dtype for t in tensors], *[a % 16 == 0 for a in ptrs])
+    hit = table.get(sig)
+    if hit is None:
+        table[sig] = _compiled(fn, grid, (*tensors, *ints), kw, stream)
+    else:
+        _direct(hit, fn, grid, (*tensors, *ints), kw, stream, (*ptrs, *ints))
 
 
 def _summaries(p: _Plan, k, v, half: bool = False, f=None):
@@ -460,8 +503,8 @@ def _mix_summaries(p: _Plan, mixing, s, dtype, f=None):
                 kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
 
 
-def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False):
-    f = _static(p, q.device)
+def _forward(p: _Plan, q, k, v, mixing, half_summaries: bool = False, f=None):
+    f = f or _static(p, q.device)
     s = _summaries(p, k, v, half_summaries, f)
     st = _mix_summaries(p, mixing, s, q.dtype, f)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
@@ -511,36 +554,55 @@ def _bwd_keys(p: _Plan, q, k, v, do, mixing, ds, w, f):
     return dk, dv, dmii
 
 
-def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool):
-    """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's."""
-    f = _static(p, q.device)
+def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool, f=None):
+    """All tensors contiguous (B, N, H, D) or (B, H, M, COLS): the launch arguments are the plan's. `f`: the
+    forward's `_static` entry (whose summaries `s` are in its form)."""
+    f = f or _static(p, q.device)
     dq, w = _bwd_queries(p, q, k, v, o, do, st, mixing, f)
     dst = _bwd_summaries(p, q, do, w, f)
     ds, part = _mix_t(p, mixing, dst, s, st.dtype, f)
     side = _side_stream(q.device) if need_mixing and part is not None and f["side_sum"] else None
     if side is not None:  # the partials' sum (all it needs is made) beside the key side
-        main = torch.cuda.current_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dmix = _mixing_grad(p, dst, s, part, None, f)
-        dmix.record_stream(main)  # (made on the side stream, used and freed on the main one)
+        dmix = _mixing_grad(p, dst, s, part, None, f, side)
     dk, dv, dmii = _bwd_keys(p, q, k, v, do, mixing, ds, w, f)
     if side is not None:
-        main.wait_stream(side)
+        side.join()
     elif need_mixing:
         dmix = _mixing_grad(p, dst, s, part, dmii, f)
     return dq, dk, dv, dmix.to(mixing.dtype) if need_mixing else None
 
 
+class _SideStream:
+    """A device's second stream, with the two events that fork work onto it from the current stream and join
+    it back. Made once per device (a stream or event per backward costs host time); kernels go on it by its
+    raw handle (`_launch`), not under `torch.cuda.stream`, whose enter and exit, with `wait_stream`'s new
+    events, made the second stream cost a Wan backward 0.1 ms of host time. Everything the side stream
+    touches is allocated on the current stream, which waits for it (`join`) before anything after the
+    backward, so freed memory is never reused under it."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.forked, self.done = torch.cuda.Event(), torch.cuda.Event()
+
+    def fork(self):
+        """The side stream waits for the current stream's work so far."""
+        self.forked.record()
+        self.stream.wait_event(self.forked)
+
+    def join(self):
+        """The current stream waits for the side stream's work so far."""
+        self.done.record(self.stream)
+        self.done.wait()
+
+
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device) -> torch.cuda.Stream:
-    """The device's second stream, made once (and kept: a new stream per backward would cost host time)."""
-    stream = _SIDE_STREAMS.get(device.index)
-    if stream is None:
-        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    return stream
+def _side_stream(device) -> _SideStream:
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = _SideStream(device)
+    return side
 
 
 def _dmix_launch(p: _Plan, wanted: int, chain: dict):
@@ -553,19 +615,22 @@ def _dmix_launch(p: _Plan, wanted: int, chain: dict):
     splits = _cdiv(p.cols, split_cols)
     kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=4, **chain)
     ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
-    return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw, tuple(kw.items())
+    return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw, {}
 
 
-def _mixing_grad(p: _Plan, dst, s, part, dmii, f):
+def _mixing_grad(p: _Plan, dst, s, part, dmii, f, side: _SideStream | None = None):
     """Sum of the ⟨dS̃_i, S_j⟩ partials (from `_mix_t`, or made here by `_dmix_kernel`) over batch and
-    column splits (and heads, for shared mixing), plus the causal diagonal's own-chunk terms."""
+    column splits (and heads, for shared mixing), plus the causal diagonal's own-chunk terms. `side`: the sum goes
+    on that stream, after the current stream's work so far (non-causal, partials given)."""
     if part is None:
         launch = f["dmix"]
         part = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
         _run(K._dmix_kernel, launch, (dst, s, part))
     launch = f["sum_partials"]
     dmix = _new(launch[0][0], p.m, p.m, device=dst.device, dtype=torch.float32)
-    _run(K._sum_partials_kernel, launch, (part, dmix))
+    if side is not None:
+        side.fork()
+    _run(K._sum_partials_kernel, launch, (part, dmix), side and side.stream)
     if p.causal:
         over = (0, 2) if p.per_head else (0, 1, 2)  # of (batch, mixing head, query head of one)
         dmix.diagonal(dim1=-2, dim2=-1).add_(dmii.view(p.batch, p.mix_heads, -1, p.m).sum(over))
@@ -575,15 +640,16 @@ def _mixing_grad(p: _Plan, dst, s, part, dmii, f):
 class MHLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mixing, plan: _Plan):
-        s, st, o = _forward(plan, q, k, v, mixing)
+        ctx.plan, ctx.static = plan, _static(plan, q.device)
+        s, st, o = _forward(plan, q, k, v, mixing, f=ctx.static)
         ctx.save_for_backward(q, k, v, mixing, s, st, o)
-        ctx.plan = plan
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, mixing, s, st, o = ctx.saved_tensors
-        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do.contiguous(), ctx.needs_input_grad[3])
+        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do.contiguous(), ctx.needs_input_grad[3],
+                                     ctx.static)
         return dq, dk, dv, dmix, None
 
 
