@@ -1,9 +1,13 @@
-"""Host time vs device time of one MHLA forward at the small shapes (is the forward launch-bound?).
+"""Host time vs device time of one MHLA forward at the small shapes (is the forward launch-bound?), and of
+one forward + backward step at the small shapes and Wan's.
 
-    python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py [--profile]
 
-Host: wall time per call of 500 forwards enqueued without synchronising. Device: do_bench median
-(CUDA events). Equal numbers mean the GPU waits on Python.
+Forward: wall time per call of 500 forwards enqueued without synchronising; device: do_bench median
+(CUDA events). Equal numbers mean the GPU waits on Python. Forward + backward: host time per step of 60
+steps enqueued while a GPU sleep holds the device (so no launch waits on the GPU), against the do_bench
+median of the step. A step whose host time nears its GPU time is timed by the host whenever the host
+slows down (a busy machine): Wan's 0.69 ms step read up to 0.95 ms when it took 0.5-0.9 ms of host time.
 """
 
 import sys
@@ -38,6 +42,43 @@ for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), (
         host, sdpa_host = host_ms(run), host_ms(sdpa)
         print(f"{name}: MHLA host {host:.4f} ms/call, do_bench {do_bench(run, return_mode='median'):.4f} ms; "
               f"SDPA host {sdpa_host:.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}", flush=True)
+
+
+def step_host_ms(step, steps=60) -> float:
+    """Host time per step of `steps` steps enqueued behind a GPU sleep (after 20 warm-up steps)."""
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # (longer than the steps take the host to enqueue)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def fwd_bwd(fn, inputs, grad):
+    def step():
+        fn().backward(grad)
+        for t in inputs:
+            t.grad = None
+    return step
+
+
+for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), ("sana-1024", 70, 32, (32, 32), (4, 4)),
+                                       ("wan-31500", 12, 128, (21, 30, 50), (7, 3, 5))):
+    n = torch.Size(grid).numel()
+    q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mixing = locality_mixing(blocks).cuda().requires_grad_()
+    grad = torch.randn_like(q)
+    step = fwd_bwd(lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton"), [q, k, v, mixing], grad)
+    line = f"{name} forward + backward: MHLA host {step_host_ms(step):.4f} ms/step, do_bench {do_bench(step, return_mode='median'):.4f} ms"
+    if n <= 4096:
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        sdpa = fwd_bwd(lambda: t(torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v))), [q, k, v], grad)
+        line += f"; SDPA host {step_host_ms(sdpa):.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}"
+    print(line, flush=True)
 
 if "--profile" in sys.argv:  # where the host time of dit-1024 goes
     import cProfile

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+import operator
 import os
 from dataclasses import dataclass
 
@@ -168,12 +170,15 @@ def _launch(fn, grid, args, kw, key=None, stream=None):
         key = (id(fn), grid, tuple(kw.items()),
                *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
     hit = _LAUNCHERS.get(key)
-    if hit is None:
+    if hit:
+        _direct(hit, args, (), stream)
+    elif hit is None:
         if len(_LAUNCHERS) > 4096:
             _LAUNCHERS.clear()
         _LAUNCHERS[key] = _compiled(fn, grid, args, kw, stream)
     else:
-        _direct(hit, fn, grid, args, kw, stream)
+        with _on(stream):
+            fn[grid](*args, **kw)
 
 
 def _on(stream):
@@ -206,17 +211,13 @@ def _compiled(fn, grid, args, kw, stream):
     return run, head, tail, grid + (1,) * (3 - len(grid))
 
 
-def _direct(hit, fn, grid, args, kw, stream, fast_args=None):
-    """Launch a kernel `_compiled` has seen: directly, with `fast_args` in place of `args` where given (tensors
-    as their addresses: Triton's launcher would ask each tensor for it and check it with the driver)."""
-    if hit is False:
-        with _on(stream):
-            fn[grid](*args, **kw)
-        return
+def _direct(hit, args, more, stream):
+    """Launch a kernel `_compiled` made: its arguments `args` and `more` (for a launch of `_run`: tensors as their
+    addresses, which Triton's launcher would ask each tensor for and check with the driver, then the integers)."""
     run, head, tail, g = hit
     # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() was 40% of a launch's host time
     raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if stream is None else stream.cuda_stream
-    run(g[0], g[1], g[2], raw, *head, *(args if fast_args is None else fast_args), *tail)
+    run(g[0], g[1], g[2], raw, *head, *args, *more, *tail)
 
 
 def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
@@ -439,15 +440,20 @@ def _run(fn, launch, tensors, stream=None):
     compiled kernel per tensor dtypes and 16-byte alignment in its own table (Triton specialises on both), so
     no key of its settings is built and hashed per call."""
     grid, ints, kw, table = launch
-    if interpreting():
+    if _INTERPRET:
         return fn[grid](*tensors, *ints, **kw)
     ptrs = [t.data_ptr() for t in tensors]
-    sig = (*[t.dtype for t in tensors], *[a % 16 == 0 for a in ptrs])
+    sig = tuple([t.dtype for t in tensors])
+    if functools.reduce(operator.or_, ptrs) % 16:  # (not all 16-byte aligned: which ones are)
+        sig += tuple([a % 16 == 0 for a in ptrs])
     hit = table.get(sig)
-    if hit is None:
+    if hit:
+        _direct(hit, ptrs, ints, stream)
+    elif hit is None:
         table[sig] = _compiled(fn, grid, (*tensors, *ints), kw, stream)
     else:
-        _direct(hit, fn, grid, (*tensors, *ints), kw, stream, (*ptrs, *ints))
+        with _on(stream):
+            fn[grid](*tensors, *ints, **kw)
 
 
 def _summaries(p: _Plan, k, v, half: bool = False, f=None):
@@ -655,13 +661,15 @@ class MHLAFunction(torch.autograd.Function):
 
 def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
     """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
-    reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
-    if reason is not None:
-        raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    q, k, v = (t.contiguous() for t in (q, k, v))  # dq, dk, dv are written with q's, k's, v's strides
-    key = (q.shape, k.shape, v.shape, mixing.dim(), q.dtype, layout, causal, id(phi), normalize, scale, eps)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv are written with q's, k's, v's strides
+    # (every dtype and the device: a plan is made only for inputs the kernels take, so a known key needs no check)
+    key = (q.shape, k.shape, v.shape, mixing.shape, q.dtype, k.dtype, v.dtype, mixing.dtype, q.device, layout, causal,
+           id(phi), normalize, scale, eps)
     plan = _PLANS.get(key)
     if plan is None:
+        reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
+        if reason is not None:
+            raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
         plan = _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
         if len(_PLANS) > 1024:
             _PLANS.clear()
