@@ -19,11 +19,14 @@ from triton.testing import do_bench
 from mhla_convert.mixing import locality_mixing
 from mhla_convert.ops import mhla_attention
 
-def host_ms(fn, calls=500) -> float:
-    """Wall time per call of `calls` calls enqueued without synchronising (after 20 warm-up calls)."""
+def host_ms(fn, calls=500, hold=False) -> float:
+    """Wall time per call of `calls` calls enqueued without synchronising (after 20 warm-up calls). `hold`: the
+    calls are enqueued behind a GPU sleep, so none waits on the GPU (for calls with long GPU time)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
+    if hold:
+        torch.cuda._sleep(400_000_000)  # (longer than the host takes to enqueue the calls)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -44,20 +47,6 @@ for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), (
               f"SDPA host {sdpa_host:.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}", flush=True)
 
 
-def step_host_ms(step, steps=60) -> float:
-    """Host time per step of `steps` steps enqueued behind a GPU sleep (after 20 warm-up steps)."""
-    for _ in range(20):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(400_000_000)  # (longer than the steps take the host to enqueue)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    ms = (time.perf_counter() - t0) / steps * 1e3
-    torch.cuda.synchronize()
-    return ms
-
-
 def fwd_bwd(fn, inputs, grad):
     def step():
         fn().backward(grad)
@@ -73,11 +62,11 @@ for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), (
     mixing = locality_mixing(blocks).cuda().requires_grad_()
     grad = torch.randn_like(q)
     step = fwd_bwd(lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton"), [q, k, v, mixing], grad)
-    line = f"{name} forward + backward: MHLA host {step_host_ms(step):.4f} ms/step, do_bench {do_bench(step, return_mode='median'):.4f} ms"
+    line = f"{name} forward + backward: MHLA host {host_ms(step, 60, hold=True):.4f} ms/step, do_bench {do_bench(step, return_mode='median'):.4f} ms"
     if n <= 4096:
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         sdpa = fwd_bwd(lambda: t(torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v))), [q, k, v], grad)
-        line += f"; SDPA host {step_host_ms(sdpa):.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}"
+        line += f"; SDPA host {host_ms(sdpa, 60, hold=True):.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}"
     print(line, flush=True)
 
 if "--profile" in sys.argv:  # where the host time of dit-1024 goes

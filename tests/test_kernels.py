@@ -470,6 +470,18 @@ def test_cuda_forward_only(name, dtype, mix, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+def test_cuda_inputs_on_several_devices_refused():
+    """The launches pass bare addresses, so inputs on another device must be refused by name, also after a plan
+    for the same shapes on one device exists (a CPU address would otherwise reach the kernel)."""
+    q, k, v, mixing = _inputs(CASES["2d-odd-grid"], torch.float32, "cuda")
+    call = lambda m: mhla_attention(q, k, v, m, grid=(7, 9), blocks=(2, 3), backend="triton")  # noqa: E731
+    call(mixing)
+    with pytest.raises(ValueError, match="several devices"):
+        call(mixing.detach().cpu())
+
+
+@pytest.mark.gpu
+@gpu
 def test_cuda_auto_uses_triton():
     q = torch.randn(1, 12, 2, 16, device="cuda", dtype=torch.bfloat16)
     layout = BlockLayout.create((3, 4), (1, 2))

@@ -107,6 +107,8 @@ def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, ph
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
     if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
         return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    if not (q.device == k.device == v.device == mixing.device):  # (the launches pass bare addresses)
+        return f"tensors on several devices (q {q.device}, k {k.device}, v {v.device}, mixing {mixing.device})"
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MAX_HEAD_DIM}"
     if causal and layout.tokens_per_block > MAX_CHUNK:
@@ -662,9 +664,9 @@ class MHLAFunction(torch.autograd.Function):
 def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
     """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv are written with q's, k's, v's strides
-    # (every dtype and the device: a plan is made only for inputs the kernels take, so a known key needs no check)
-    key = (q.shape, k.shape, v.shape, mixing.shape, q.dtype, k.dtype, v.dtype, mixing.dtype, q.device, layout, causal,
-           id(phi), normalize, scale, eps)
+    # (every dtype and device: a plan is made only for inputs the kernels take, so a known key needs no check)
+    key = (q.shape, k.shape, v.shape, mixing.shape, q.dtype, k.dtype, v.dtype, mixing.dtype, q.device, k.device,
+           v.device, mixing.device, layout, causal, id(phi), normalize, scale, eps)
     plan = _PLANS.get(key)
     if plan is None:
         reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
