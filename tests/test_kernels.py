@@ -471,10 +471,11 @@ def test_cuda_forward_only(name, dtype, mix, monkeypatch):
 @pytest.mark.gpu
 @gpu
 def test_cuda_inputs_on_several_devices_refused():
-    """The launches pass bare addresses, so inputs on another device must be refused by name, also after a plan
-    for the same shapes on one device exists (a CPU address would otherwise reach the kernel)."""
+    """The launches pass bare addresses, so the backend itself refuses inputs on another device by name, also
+    after a plan for the same shapes on one device exists (a CPU address would otherwise reach the kernel)."""
     q, k, v, mixing = _inputs(CASES["2d-odd-grid"], torch.float32, "cuda")
-    call = lambda m: mhla_attention(q, k, v, m, grid=(7, 9), blocks=(2, 3), backend="triton")  # noqa: E731
+    call = lambda m: mhla_triton.mhla_attention_triton(q, k, v, m, BlockLayout.create((7, 9), (2, 3)), causal=False,  # noqa: E731
+                                                       phi=resolve_feature_map("relu"), normalize=True, scale=0.25, eps=1e-6)
     call(mixing)
     with pytest.raises(ValueError, match="several devices"):
         call(mixing.detach().cpu())
@@ -485,8 +486,10 @@ def test_cuda_inputs_on_several_devices_refused():
 def test_cuda_auto_uses_triton():
     q = torch.randn(1, 12, 2, 16, device="cuda", dtype=torch.bfloat16)
     layout = BlockLayout.create((3, 4), (1, 2))
-    impl = select("attention", "auto", None, q, q, q, torch.rand(2, 2), layout, causal=False, phi=resolve_feature_map("relu"))
-    assert impl is mhla_triton.mhla_attention_triton
+    pick = lambda mixing: select("attention", "auto", None, q, q, q, mixing, layout, causal=False,  # noqa: E731
+                                 phi=resolve_feature_map("relu"))
+    assert pick(torch.rand(2, 2, device="cuda")) is mhla_triton.mhla_attention_triton
+    assert pick(torch.rand(2, 2)) is None  # (mixing on the CPU: the torch path, which names the device mismatch)
 
 
 # --- the recurrent decoding step -------------------------------------------------------------------

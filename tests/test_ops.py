@@ -159,6 +159,12 @@ BAD = [
 ]
 
 
+def test_inputs_on_several_devices_named():
+    q = torch.rand(2, 12, 4, 8)
+    with pytest.raises(ValueError, match="q, k, v and mixing must be on one device; got cpu, cpu, cpu, meta"):
+        mhla_attention(q, q, q, torch.rand(4, 4, device="meta"), grid=(3, 4), blocks=(2, 2))
+
+
 @pytest.mark.parametrize("change,message", BAD)
 def test_bad_input_names_the_argument(change, message):
     shapes = dict(q=(2, 12, 4, 8), k=(2, 12, 2, 8), v=(2, 12, 2, 8), mixing=(4, 4))

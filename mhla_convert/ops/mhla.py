@@ -37,6 +37,9 @@ def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> B
         raise ValueError(f"v must be (B={batch}, N={n}, H_kv={k.shape[2]}, D_v); got {tuple(v.shape)}")
     if heads % k.shape[2]:
         raise ValueError(f"q heads ({heads}) must be a multiple of k/v heads ({k.shape[2]})")
+    if not (q.device == k.device == v.device == mixing.device):
+        raise ValueError(f"q, k, v and mixing must be on one device; got {q.device}, {k.device}, {v.device}, "
+                         f"{mixing.device} (move them with .to(q.device))")
     if causal:
         if grid is not None and len(as_axes("grid", grid)) != 1:
             raise ValueError(f"causal attention needs a 1-D grid (N,); got grid {grid}")
