@@ -583,7 +583,7 @@ def _backward(p: _Plan, q, k, v, mixing, s, st, o, do, need_mixing: bool, f=None
 class _SideStream:
     """A device's second stream, with the two events that fork work onto it from the current stream and join
     it back. Made once per device (a stream or event per backward costs host time); kernels go on it by its
-    raw handle (`_launch`), not under `torch.cuda.stream`, whose enter and exit, with `wait_stream`'s new
+    raw handle (`_run`), not under `torch.cuda.stream`, whose enter and exit, with `wait_stream`'s new
     events, made the second stream cost a Wan backward 0.1 ms of host time. Everything the side stream
     touches is allocated on the current stream, which waits for it (`join`) before anything after the
     backward, so freed memory is never reused under it."""
