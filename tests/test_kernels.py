@@ -379,6 +379,30 @@ def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("name", ["wan-d128", "causal-blocks"])
+def test_cuda_unaligned_inputs_get_their_own_kernels(name, monkeypatch):
+    """Triton specialises a kernel on its pointers' 16-byte alignment, and the direct launches pass bare
+    addresses: inputs one element off alignment (views into a larger buffer), after aligned ones of the same
+    shapes, must get kernels compiled for them and the torch path's results."""
+    case = {**CASES, **FAMILY_CASES}[name]
+    _compare(case, torch.bfloat16, "cuda", TOL[torch.bfloat16])
+    real_inputs, compiled, real = _inputs, [], mhla_triton._compiled
+
+    def unaligned(*args, **kw):
+        out = []
+        for t in real_inputs(*args, **kw):
+            buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+            out.append(buf[1:].view(t.shape).copy_(t.detach()).requires_grad_())
+        return out
+
+    monkeypatch.setitem(globals(), "_inputs", unaligned)
+    monkeypatch.setattr(mhla_triton, "_compiled", lambda *a: compiled.append(real(*a)) or compiled[-1])
+    _compare(case, torch.bfloat16, "cuda", TOL[torch.bfloat16])
+    assert compiled  # (an aligned kernel reused here would read misaligned vectors)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("name", ["wan-d128", "llm-d64-causal-gqa"])
 def test_cuda_chained_launches(name, monkeypatch):
     """On Hopper every launch of the operator is a programmatic dependent launch (`mhla_triton.PDL`): each

@@ -162,25 +162,30 @@ def _chain_kw(device) -> dict:
 _LAUNCHERS: dict = {}
 
 
-def _launch(fn, grid, args, kw, key=None, stream=None):
-    """fn[grid](*args, **kw) on the current stream, or on `stream` (a torch.cuda.Stream). On CUDA the
+def _launch(fn, grid, args, kw):
+    """fn[grid](*args, **kw) for a launch outside `_static` (the recurrent step, the rotary op). On CUDA the
     compiled kernel is kept per (fn, grid, scalar args, tensor dtypes and 16-byte alignment) and launched
-    directly afterwards (`_compiled`). `key`: that key, when the caller has it cheaper."""
+    directly afterwards (`_cached`)."""
     if interpreting():
         return fn[grid](*args, **kw)
-    if key is None:
-        key = (id(fn), grid, tuple(kw.items()),
-               *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
-    hit = _LAUNCHERS.get(key)
+    key = (id(fn), grid, tuple(kw.items()),
+           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args])
+    if len(_LAUNCHERS) > 4096:
+        _LAUNCHERS.clear()
+    _cached(_LAUNCHERS, key, fn, grid, kw, None, args)
+
+
+def _cached(table, key, fn, grid, kw, stream, args, more=(), fast=None):
+    """fn[grid](*args, *more, **kw) on the current stream or `stream`, through `table`'s entry at `key`, which
+    `_compiled` makes on first use. `fast`: `args` as the direct launch takes them (tensors as addresses)."""
+    hit = table.get(key)
     if hit:
-        _direct(hit, args, (), stream)
+        _direct(hit, args if fast is None else fast, more, stream)
     elif hit is None:
-        if len(_LAUNCHERS) > 4096:
-            _LAUNCHERS.clear()
-        _LAUNCHERS[key] = _compiled(fn, grid, args, kw, stream)
+        table[key] = _compiled(fn, grid, (*args, *more), kw, stream)
     else:
         with _on(stream):
-            fn[grid](*args, **kw)
+            fn[grid](*args, *more, **kw)
 
 
 def _on(stream):
@@ -215,7 +220,8 @@ def _compiled(fn, grid, args, kw, stream):
 
 def _direct(hit, args, more, stream):
     """Launch a kernel `_compiled` made: its arguments `args` and `more` (for a launch of `_run`: tensors as their
-    addresses, which Triton's launcher would ask each tensor for and check with the driver, then the integers)."""
+    addresses, which Triton's launcher would otherwise ask each tensor for and check with the driver, then the
+    integers)."""
     run, head, tail, g = hit
     # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() was 40% of a launch's host time
     raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if stream is None else stream.cuda_stream
@@ -448,14 +454,7 @@ def _run(fn, launch, tensors, stream=None):
     sig = tuple([t.dtype for t in tensors])
     if functools.reduce(operator.or_, ptrs) % 16:  # (not all 16-byte aligned: which ones are)
         sig += tuple([a % 16 == 0 for a in ptrs])
-    hit = table.get(sig)
-    if hit:
-        _direct(hit, ptrs, ints, stream)
-    elif hit is None:
-        table[sig] = _compiled(fn, grid, (*tensors, *ints), kw, stream)
-    else:
-        with _on(stream):
-            fn[grid](*tensors, *ints, **kw)
+    _cached(table, sig, fn, grid, kw, stream, tensors, ints, ptrs)
 
 
 def _summaries(p: _Plan, k, v, half: bool = False, f=None):
