@@ -71,9 +71,12 @@ class MHLALlamaAttention(MHLAttention):
             self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6, device=device)
         self.mixing = nn.Parameter(self._initial_mixing().to(device), requires_grad=config.learnable_mixing)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
+                **kwargs):
         """Host signature; `position_ids`, `use_cache`, `cache_position` arrive in kwargs and are
-        not needed: RoPE comes in `position_embeddings`, the state's position in the cache."""
+        not needed: RoPE comes in `position_embeddings`, the state's position in the cache.
+        transformers ≥ 5.24 passes the cache as `cache`, earlier releases as `past_key_values`."""
+        past_key_values = cache if cache is not None else past_key_values
         cos, sin = position_embeddings
         q, k, v = self.project(hidden_states, lambda q, k: apply_rotary(q, k, cos, sin))
         real = _real_tokens(attention_mask, q.shape[1])
