@@ -67,6 +67,22 @@ class DataSpec:
 
 
 @dataclass
+class ValidationSpec:
+    """Held-out loss during training: at step 0, every `every` optimizer steps and at each stage's end.
+
+    The held-out examples come from `path` (read like `data`, same kind) or, with `split`, from the
+    training data itself: that fraction is set aside by a seeded draw and never trained on.
+    """
+
+    split: float | None = None
+    path: str | None = None
+    every: int = 0  # optimizer steps; 0: only at step 0 and at the end of each stage
+    num_batches: int = 8  # held-out batches per evaluation (fewer if the set is smaller)
+    batch_size: int | None = None  # default: data.batch_size
+    keep_best: bool = True  # save the model with the lowest validation loss to <out>/best
+
+
+@dataclass
 class LoraSpec:
     r: int = 8
     alpha: int = 16
@@ -126,6 +142,7 @@ class Recipe:
     data: DataSpec
     stages: list[StageSpec]
     conversion: ConversionSpec | None = None
+    validation: ValidationSpec | None = None
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
@@ -307,6 +324,26 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
             raise ctx.fail(f"logging.trackers[{i}]", _line(raw, "logging", "trackers", i), f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)} (or an empty list)")
     if recipe.logging.every < 1:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
+    _check_validation(recipe, raw, ctx)
+
+
+def _check_validation(recipe: Recipe, raw, ctx: _Ctx) -> None:
+    v = recipe.validation
+    if v is None:
+        return
+    if (v.split is None) == (v.path is None):
+        raise ctx.fail("validation", _line(raw, "validation"),
+                       "give exactly one of validation.split (a fraction of the training data, e.g. 0.05) or "
+                       "validation.path (held-out data of the same kind as data)")
+    if v.split is not None and not 0.0 < v.split < 1.0:
+        raise ctx.fail("validation.split", _line(raw, "validation", "split"), f"must be in (0, 1); got {v.split}")
+    if v.path is not None and recipe.data.kind == "synthetic":
+        raise ctx.fail("validation.path", _line(raw, "validation", "path"),
+                       "synthetic data has no held-out files: use validation.split instead")
+    for key, low in (("every", 0), ("num_batches", 1), ("batch_size", 1)):
+        value = getattr(v, key)
+        if value is not None and value < low:
+            raise ctx.fail(f"validation.{key}", _line(raw, "validation", key), f"must be ≥ {low}; got {value}")
 
 
 # --- entry points --------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from .objectives import objective_for
 from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
+from .validation import BEST_DIR, BestModel, HeldOut, heldout_dataset, split_off
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -122,6 +123,7 @@ class Trainer:
         base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
         with acc.main_process_first():  # one process encodes, the others read its cache
             self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed, components=recipe.data.components or base)
+        self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
         self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
         start = self.resume_from.step if self.resume_from else 0
@@ -131,6 +133,24 @@ class Trainer:
             self.metrics = MetricsFile(self.out / "metrics.jsonl", start)
         if trackers:
             acc.init_trackers(recipe.logging.project, config=_flat(recipe.to_dict()))
+
+    def _heldout(self, model, components: str | None) -> HeldOut | None:
+        """The validation set: split off the training data, or read from validation.path."""
+        v = self.recipe.validation
+        if v is None:
+            return None
+        if v.split is not None:
+            try:
+                self.dataset, held = split_off(self.dataset, v.split, self.recipe.seed)
+            except ValueError as exc:
+                raise TrainError(str(exc)) from None
+        else:
+            with self.accelerator.main_process_first():
+                held = heldout_dataset(self.recipe, self.built.family, model, components)
+            if set(held.columns) != set(self.dataset.columns):
+                raise TrainError(f"validation.path {v.path} holds {sorted(held.columns)} but the training data holds "
+                                 f"{sorted(self.dataset.columns)}: give held-out data of the same kind as data")
+        return HeldOut(held, self.objective, v.batch_size or self.recipe.data.batch_size, v.num_batches, self.recipe.seed)
 
     # --- one stage ---------------------------------------------------------------------------------
 
@@ -169,6 +189,8 @@ class Trainer:
         transfer = None
         if stage.name == "attention_transfer":
             transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
+        if step == 0:
+            self._validate(0, stage.name, transfer)
         try:
             return self._steps(index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after)
         finally:
@@ -237,13 +259,56 @@ class Trainer:
                     record["grad_norm"] = float(grad_norm)
                 if acc.is_main_process:
                     self.metrics.write(record)
-                acc.log({k: v for k, v in record.items() if k != "stage"}, step=step)
+                acc.log({f"{stage.name}/{k}": v for k, v in record.items() if k not in ("step", "stage")}, step=step)
+            every = recipe.validation.every if recipe.validation else 0
+            if (every and step % every == 0) or step == end:
+                self._validate(step, stage.name, transfer)
             if (recipe.checkpoint_every and step % recipe.checkpoint_every == 0) or step == end:
                 checkpoints.save(acc, self.out, step, index, __version__, recipe.keep_checkpoints)
             if stop_after is not None and step >= stop_after:
                 break
         bar.close()
         return step
+
+    def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
+        """Held-out loss of the model as it stands (the transfer hooks, which hand the teachers'
+        outputs downstream, are lifted meanwhile); saves the model when it is the best so far."""
+        if self.heldout is None:
+            return
+        acc = self.accelerator
+        if transfer:
+            transfer.detach()
+        try:
+            loss = self.heldout.loss(self.model, device=acc.device, dtype=self.dtype, rank=acc.process_index,
+                                     world=acc.num_processes, gather=acc.gather)
+        finally:
+            if transfer:
+                transfer.attach()
+        if acc.is_main_process:
+            self.metrics.write({"step": step, "stage": stage, "validation_loss": loss})
+            self.log(f"step {step} ({stage}): validation loss {loss:.6g}")
+        acc.log({"validation/loss": loss}, step=step)
+        if self.best.improves(loss):
+            directory = self.out / BEST_DIR if self.recipe.validation.keep_best else None
+            if directory is not None:
+                self._save_model(directory, merge_lora=True)
+            if acc.is_main_process:
+                self.best.note(step, stage, loss, directory)
+
+    def _save_model(self, target: Path, *, merge_lora: bool) -> None:
+        """Save the full model to `target` from the main process (collective under FSDP). A LoRA
+        model is saved merged (a copy, when training goes on)."""
+        import copy
+
+        from .. import save_pretrained
+
+        model = self._gathered_model()
+        if model is None:
+            return
+        if has_lora(model):
+            model = copy.deepcopy(model)
+            remove_lora(model, merge=merge_lora)
+        save_pretrained(model, target)
 
     # --- the whole run -----------------------------------------------------------------------------
 
@@ -292,6 +357,8 @@ class Trainer:
                 remove_lora(model, merge=lora.merge)
             save_pretrained(model, target)
             self.log(f"saved {target}")
+            if self.best.summary():
+                self.log(self.best.summary())
             if self.recipe.push_to_hub:
                 push_to_hub(target, self.recipe.push_to_hub.repo_id, private=self.recipe.push_to_hub.private)
         acc.wait_for_everyone()

@@ -1,0 +1,100 @@
+"""Held-out loss during fine-tuning, and the best model by that loss.
+
+The held-out set is scored the same way every time: its batches are fixed (the first
+`num_batches · batch_size` examples, in order) and batch i draws its timesteps and noise from a
+generator seeded by (seed, i) alone, so two evaluations of the same weights give the same number
+and the curve moves only when the model does. Batches are spread over the processes and the sums
+gathered, so every process reports the same value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .data import TensorData, build_dataset
+from .recipe import Recipe
+
+BEST_DIR, BEST_FILE = "best", "best.json"
+
+
+def split_off(dataset: TensorData, fraction: float, seed: int) -> tuple[TensorData, TensorData]:
+    """(train, held-out): a seeded draw of ⌈fraction · N⌉ examples is held out (at least one, and
+    at least one is left to train on)."""
+    n = len(dataset)
+    if n < 2:
+        raise ValueError(f"validation.split needs at least 2 examples; the data has {n}: use validation.path")
+    held = min(max(1, math.ceil(fraction * n)), n - 1)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    take = lambda idx: TensorData({k: v[idx] for k, v in dataset.columns.items()})  # noqa: E731
+    return take(order[held:].sort().values), take(order[:held].sort().values)
+
+
+def heldout_dataset(recipe: Recipe, family: str, model, components: str | None) -> TensorData:
+    """The held-out examples of `validation.path`, read (and cached) like the training data."""
+    spec = replace(recipe.data, path=recipe.validation.path, cache_dir=None)
+    return build_dataset(spec, family, model, seed=recipe.seed, components=components)
+
+
+@dataclass
+class HeldOut:
+    """Scores a model on fixed held-out batches with its training objective."""
+
+    dataset: TensorData
+    objective: object
+    batch_size: int
+    num_batches: int
+    seed: int = 0
+
+    def batches(self) -> list[dict[str, torch.Tensor]]:
+        count = min(self.num_batches, math.ceil(len(self.dataset) / self.batch_size))
+        cols = self.dataset.columns
+        return [{k: v[i * self.batch_size:(i + 1) * self.batch_size] for k, v in cols.items()} for i in range(count)]
+
+    @torch.no_grad()
+    def loss(self, model, *, device, dtype, rank: int = 0, world: int = 1, gather=None) -> float:
+        """The example-weighted mean loss over the held-out batches (`gather` sums across processes)."""
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        try:
+            for i, batch in enumerate(self.batches()):
+                if i % world != rank:
+                    continue
+                batch = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in batch.items()}
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+                count = len(next(iter(batch.values())))
+                total += torch.tensor([self.objective.loss(model, batch, generator).double().item() * count, count],
+                                      dtype=torch.float64, device=device)
+        finally:
+            model.train(was_training)
+        if gather is not None:
+            total = gather(total[None]).sum(0)
+        return float(total[0] / total[1])
+
+
+class BestModel:
+    """Tracks the lowest validation loss of a run (`<out>/best.json`, kept across resumes)."""
+
+    def __init__(self, out: Path):
+        self.file = Path(out) / BEST_FILE
+        self.record = json.loads(self.file.read_text()) if self.file.is_file() else None
+
+    def improves(self, loss: float) -> bool:
+        return math.isfinite(loss) and (self.record is None or loss < self.record["loss"])
+
+    def note(self, step: int, stage: str, loss: float, directory: Path | None) -> None:
+        self.record = {"step": step, "stage": stage, "loss": loss, "model": str(directory) if directory else None}
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.record, indent=1))
+        tmp.replace(self.file)
+
+    def summary(self) -> str | None:
+        if self.record is None:
+            return None
+        where = f" ({self.record['model']})" if self.record.get("model") else ""
+        return f"best validation loss {self.record['loss']:.6g} at step {self.record['step']} ({self.record['stage']}){where}"
