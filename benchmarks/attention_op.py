@@ -1,7 +1,7 @@
 """Attention-operator benchmark: SDPA vs MHLA (torch path) vs MHLA (Triton) — and, causal, fla's
 `chunk_linear_attn` when installed — forward and forward+backward, over N for the target shapes.
 
-    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out out/attention_op]
+    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out docs/bench/attention_op]
 
 Prints a table (ms, median of CUDA-event timings after warm-up, via triton.testing.do_bench),
 writes <out>.csv and, with matplotlib, <out>.png (time vs N). A script, never a test.
@@ -86,7 +86,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="wan,dit,sana,causal")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
-    ap.add_argument("--out", default="out/attention_op")
+    ap.add_argument("--out", default="docs/bench/attention_op")
     args = ap.parse_args()
     rows = []
     for family in args.shapes.split(","):
@@ -104,7 +104,8 @@ def main():
     timed = [k for k in keys if k.endswith(("_fwd", "_fwdbwd"))]
     print("| family | N | M | " + " | ".join(timed) + " |")
     for r in rows:
-        print(f"| {r['family']} | {r['N']} | {r['M']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in timed) + " |")
+        cells = " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in timed)
+        print(f"| {r['family']} | {r['N']} | {r['M']} | {cells} |")
     _plot(rows, timed, args.out + ".png")
 
 

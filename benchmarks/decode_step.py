@@ -63,11 +63,12 @@ def main():
     from triton.testing import do_bench
 
     from mhla_convert.kernels.recurrent_triton import mhla_recurrent_step_triton
-    from mhla_convert.ops.feature_maps import resolve_feature_map
+    from mhla_convert.ops import resolve_feature_map
 
     relu = resolve_feature_map("relu")
     kern = do_bench(lambda: mhla_recurrent_step_triton(state0, *steps[0], relative, phi=relu, normalize=True,
-                                                       scale=a.dim**-0.5, eps=1e-6), warmup=25, rep=200, return_mode="median")
+                                                       scale=a.dim**-0.5, eps=1e-6),
+                    warmup=25, rep=200, return_mode="median")
     print(f"| triton step, one call (do_bench, CUDA events) | {kern * 1e3:.1f} us |")
 
 

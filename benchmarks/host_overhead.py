@@ -1,13 +1,13 @@
-"""Host time vs device time of one MHLA forward at the small shapes (is the forward launch-bound?), and of
+"""Host time against GPU time of one MHLA forward at the small shapes (is the forward launch-bound?), and of
 one forward + backward step at the small shapes and Wan's.
 
     python benchmarks/host_overhead.py [--profile]
 
-Forward: wall time per call of 500 forwards enqueued without synchronising; device: do_bench median
-(CUDA events). Equal numbers mean the GPU waits on Python. Forward + backward: host time per step of 60
-steps enqueued while a GPU sleep holds the device (so no launch waits on the GPU), against the do_bench
-median of the step. A step whose host time nears its GPU time is timed by the host whenever the host
-slows down (a busy machine): Wan's 0.69 ms step read up to 0.95 ms when it took 0.5-0.9 ms of host time.
+Forward: wall time per call of 500 forwards enqueued without synchronising; GPU: do_bench median (CUDA
+events). Equal numbers mean the GPU waits on Python. Forward + backward: host time per step of 60 steps
+enqueued while a GPU sleep holds the device (so no launch waits on the GPU), against the do_bench median of
+the step. A step whose host time nears its GPU time is paced by the host whenever the host slows down.
+--profile adds a cProfile of the DiT 1,024 forward and forward + backward: where the host time goes.
 """
 
 import sys
@@ -18,6 +18,10 @@ from triton.testing import do_bench
 
 from mhla_convert.mixing import locality_mixing
 from mhla_convert.ops import mhla_attention
+
+SMALL = (("dit-1024", 16, 72, (32, 32), (4, 4)), ("sana-1024", 70, 32, (32, 32), (4, 4)))
+WAN = ("wan-31500", 12, 128, (21, 30, 50), (7, 3, 5))
+
 
 def host_ms(fn, calls=500, hold=False) -> float:
     """Wall time per call of `calls` calls enqueued without synchronising (after 20 warm-up calls). `hold`: the
@@ -35,16 +39,21 @@ def host_ms(fn, calls=500, hold=False) -> float:
     return ms
 
 
-for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), ("sana-1024", 70, 32, (32, 32), (4, 4))):
-    q, k, v = (torch.randn(1, 1024, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    mixing = locality_mixing(blocks).cuda()
-    with torch.no_grad():
-        run = lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton")  # noqa: E731
+def median_ms(fn) -> float:
+    return do_bench(fn, return_mode="median")
+
+
+def forward_rows():
+    for name, heads, dim, grid, blocks in SMALL:
+        q, k, v = (torch.randn(1, 1024, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        mixing = locality_mixing(blocks).cuda()
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
-        host, sdpa_host = host_ms(run), host_ms(sdpa)
-        print(f"{name}: MHLA host {host:.4f} ms/call, do_bench {do_bench(run, return_mode='median'):.4f} ms; "
-              f"SDPA host {sdpa_host:.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}", flush=True)
+        with torch.no_grad():
+            run = lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton")  # noqa: E731
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
+            host, sdpa_host = host_ms(run), host_ms(sdpa)
+            print(f"{name}: MHLA host {host:.4f} ms/call, do_bench {median_ms(run):.4f} ms; "
+                  f"SDPA host {sdpa_host:.4f}, do_bench {median_ms(sdpa):.4f}", flush=True)
 
 
 def fwd_bwd(fn, inputs, grad):
@@ -55,25 +64,32 @@ def fwd_bwd(fn, inputs, grad):
     return step
 
 
-for name, heads, dim, grid, blocks in (("dit-1024", 16, 72, (32, 32), (4, 4)), ("sana-1024", 70, 32, (32, 32), (4, 4)),
-                                       ("wan-31500", 12, 128, (21, 30, 50), (7, 3, 5))):
-    n = torch.Size(grid).numel()
-    q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    mixing = locality_mixing(blocks).cuda().requires_grad_()
-    grad = torch.randn_like(q)
-    step = fwd_bwd(lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton"), [q, k, v, mixing], grad)
-    line = f"{name} forward + backward: MHLA host {host_ms(step, 60, hold=True):.4f} ms/step, do_bench {do_bench(step, return_mode='median'):.4f} ms"
-    if n <= 4096:
-        t = lambda x: x.transpose(1, 2)  # noqa: E731
-        sdpa = fwd_bwd(lambda: t(torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v))), [q, k, v], grad)
-        line += f"; SDPA host {host_ms(sdpa, 60, hold=True):.4f}, do_bench {do_bench(sdpa, return_mode='median'):.4f}"
-    print(line, flush=True)
+def step_rows():
+    for name, heads, dim, grid, blocks in (*SMALL, WAN):
+        n = torch.Size(grid).numel()
+        q, k, v = (torch.randn(1, n, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        mixing = locality_mixing(blocks).cuda().requires_grad_()
+        grad = torch.randn_like(q)
+        step = fwd_bwd(lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton"),
+                       [q, k, v, mixing], grad)
+        line = (f"{name} forward + backward: MHLA host {host_ms(step, 60, hold=True):.4f} ms/step, "
+                f"do_bench {median_ms(step):.4f} ms")
+        if n <= 4096:
+            t = lambda x: x.transpose(1, 2)  # noqa: E731
+            sdpa = fwd_bwd(lambda: t(torch.nn.functional.scaled_dot_product_attention(t(q), t(k), t(v))),
+                           [q, k, v], grad)
+            line += f"; SDPA host {host_ms(sdpa, 60, hold=True):.4f}, do_bench {median_ms(sdpa):.4f}"
+        print(line, flush=True)
 
-if "--profile" in sys.argv:  # where the host time of dit-1024 goes
+
+def profile():
+    """cProfile of the DiT 1,024 forward (no grad) and forward + backward: the host's costliest calls."""
     import cProfile
     import pstats
 
-    q, k, v = (torch.randn(1, 1024, 16, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 1024, 16, 72, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     mixing = locality_mixing((4, 4)).cuda().requires_grad_()
     fwd = lambda: mhla_attention(q, k, v, mixing, grid=(32, 32), blocks=(4, 4), backend="triton")  # noqa: E731
     for label, fn, calls in (("forward, no grad", lambda: torch.no_grad()(fwd)(), 2000),
@@ -89,3 +105,14 @@ if "--profile" in sys.argv:  # where the host time of dit-1024 goes
         torch.cuda.synchronize()
         print(f"--- {label}: {calls} calls")
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+def main():
+    forward_rows()
+    step_rows()
+    if "--profile" in sys.argv:
+        profile()
+
+
+if __name__ == "__main__":
+    main()

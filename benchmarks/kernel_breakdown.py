@@ -1,8 +1,10 @@
-"""Where the Triton path's time goes, and how the launch shapes move it: times the summaries
-launch, the mixing GEMM, the whole forward and the whole backward for the target shapes, once
-per launch-shape setting (one knob of `mhla_convert.kernels.mhla_triton` changed at a time).
+"""Where the Triton path's time goes, and how the launch shapes move it: times each launch of the forward
+(training and inference) and of the backward, and the whole forward and backward, for the target shapes,
+with the default settings and then with one switch of `mhla_convert.kernels.mhla_triton` changed at a time.
+It drives the backend's internal launch functions directly (there is no public API for single launches).
 
-    python benchmarks/kernel_breakdown.py [--shapes a,b] [--sweep fwd,summaries,... | --mix-sweep | --regs | --once SHAPE]
+    python benchmarks/kernel_breakdown.py [--shapes a,b]
+        [--sweep fwd,summaries,... | --mix-sweep | --regs | --once SHAPE]
 
 --sweep fwd times the forward per (warps, stages, token tile) setting of the summaries and readout
 launches instead (what `mhla_triton.FWD_CONFIGS` holds per head dim); --sweep LAUNCH (summaries, readout,
@@ -14,15 +16,12 @@ launch shape (`MIX_SWEEP`) and through the row-tiled `MIX_TILES` kernel;
 
 from __future__ import annotations
 
-
 import torch
 import triton
 from triton.testing import do_bench
 
 from mhla_convert.kernels import mhla_triton as MT
-from mhla_convert.ops import BlockLayout
-from mhla_convert.ops.mhla import mhla_attention_torch
-from mhla_convert.ops.feature_maps import resolve_feature_map
+from mhla_convert.ops import BlockLayout, mhla_attention_torch, resolve_feature_map
 
 SHAPES = {  # name -> (H, D, layout, causal)
     "dit-1024": (16, 72, BlockLayout.create((32, 32), (4, 4)), False),
@@ -80,7 +79,8 @@ def _bwd_times(t, plan, q, k, v, mixing, s, st, o, do):
     )
 
 
-# launch settings tried per shape, against an empty entry (the plan's warps, Triton's default stages, its token tile):
+# candidate launch settings per shape, against an empty entry (the plan's warps, Triton's default stages, its
+# token tile):
 # --sweep fwd sets FWD_CONFIGS (warps, stages, token tile) of the summaries and readout; --sweep LAUNCH one
 # launch's LAUNCH_CONFIGS entry (warps, stages, register cap[, token tile]). name -> (timed key, settings)
 SWEEPS = {
@@ -236,7 +236,9 @@ def main():
         for kind in sys.argv[sys.argv.index("--sweep") + 1].split(","):
             config_sweep(kind)
         return
-    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES", "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL", "HILO_SUMMARIES")}
+    defaults = {name: getattr(MT, name) for name in ("TILE_TOKENS", "WIDE_WARPS", "PROGRAMS_PER_SM", "MIX_TILES",
+                                                     "SPLIT_HEAD_DIMS", "MATMUL_MIX_MIN_BLOCKS", "PDL",
+                                                     "HILO_SUMMARIES")}
     print("| shape | setting | " + " | ".join(breakdown_keys()) + " | (ms) |")
     for shape, args in SHAPES.items():
         for label, change in KNOBS:

@@ -6,8 +6,8 @@ half-precision value, `cp.async` = pipelined copies into shared memory).
 
     python benchmarks/offline_compile.py [--shapes wan-31500,dit-16384]   (the shapes of kernel_breakdown.py)
 
-Why: register pressure (programs per SM) and scalar loads were behind most of the kernels' slow
-launches, and both show here without spending GPU time. The launch arguments are the library's own
+Why: register pressure (programs per SM) and scalar loads are what most limit these kernels, and both
+show here without a GPU. The launch arguments are the library's own
 (`mhla_triton._static`), for bf16 inputs and the inference path; needs Triton's NVIDIA backend (it
 ships with the `triton` wheel: ptxas, cuobjdump).
 """
@@ -75,11 +75,12 @@ def resources(kernel) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage, sass = (subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                       for flag in ("--dump-resource-usage", "-sass"))
     regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
     ops: dict[str, int] = {}
-    for op in re.findall(r"\b(ld\.global[\w.]*|st\.global[\w.]*|cp\.async\.c[ag]\.shared\.global)", kernel.asm["ptx"]):
+    memory_op = r"\b(ld\.global[\w.]*|st\.global[\w.]*|cp\.async\.c[ag]\.shared\.global)"
+    for op in re.findall(memory_op, kernel.asm["ptx"]):
         ops[op] = ops.get(op, 0) + 1
     instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
     return dict(regs=int(regs), stack=int(stack), smem=kernel.metadata.shared, ops=ops, instructions=instructions)
@@ -91,8 +92,9 @@ def main():
         for name in [n for n in SHAPES if n not in keep]:
             del SHAPES[name]
     MT._programs_wanted = lambda device: MT.PROGRAMS_PER_SM * H200_SMS  # the H200's launch splits, on any machine
-    kernels = dict(summaries=MT.K._summaries_kernel, summaries_hilo=MT.K._summaries_kernel, readout=MT.K._readout_kernel,
-                   bwd_queries=MT.K._bwd_query_kernel, bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel,
+    kernels = dict(summaries=MT.K._summaries_kernel, summaries_hilo=MT.K._summaries_kernel,
+                   readout=MT.K._readout_kernel, bwd_queries=MT.K._bwd_query_kernel,
+                   bwd_summaries=MT.K._summaries_kernel, bwd_keys=MT.K._bwd_key_kernel,
                    sum_partials=MT.K._sum_partials_kernel)
     print("| shape | launch | kernel | grid | warps, stages | registers | stack | shared memory | SASS instructions | "
           "global memory ops (per thread, in the PTX) |")
@@ -111,11 +113,12 @@ def main():
             if fn is MT.K._mix_sweep_kernel:
                 pointers += ("*bf16" if name == "mix_t" and static["hilo"] else "*fp32", "*fp32")
             kw = dict(kw)
-            options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages", 3), maxnreg=kw.pop("maxnreg", None))
+            options = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages", 3),
+                           maxnreg=kw.pop("maxnreg", None))
             r = resources(compile_sm90(fn, {**dict(zip(fn.arg_names, (*pointers, *ints))), **kw}, options))
             ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
-            print(f"| {shape} | {name} | {fn.__name__} | {grid} | {options['num_warps']}, {options['num_stages']} | {r['regs']} | "
-                  f"{r['stack']} | {r['smem']} | {r['instructions']} | {ops} |", flush=True)
+            print(f"| {shape} | {name} | {fn.__name__} | {grid} | {options['num_warps']}, {options['num_stages']} | "
+                  f"{r['regs']} | {r['stack']} | {r['smem']} | {r['instructions']} | {ops} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from datetime import date
 
 import torch
 
-from mhla_convert.convert import convert
+from mhla_convert import convert
 
 WAN_CONFIG = dict(
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -45,9 +45,9 @@ def _time(fn, warmup=2, reps=7) -> float:
 
 
 def _alternated(fns: dict, rounds=5) -> dict:
-    """Median of `_time` over `rounds` rounds that run every fn in turn: a host-bound model's time drifts with
-    the host between calls (SANA at 1024 px: 15.9-25.0 ms for the same GPU work), so each round times the
-    variants back to back and the drift falls on all of them alike."""
+    """Median of `_time` over `rounds` rounds that run every fn in turn: a host-bound model's time (SANA at
+    1024 px) drifts with the host between calls, by more than the difference being measured, so each round
+    times the variants back to back and the drift falls on all of them alike."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -87,9 +87,9 @@ def bench_wan(backend):
 def bench_wan_layer(backend):
     from triton.testing import do_bench
 
+    from mhla_convert import mhla_layers
     from mhla_convert.ops import mhla_attention
     from mhla_convert.ops.rotary import InterleavedRotary
-    from mhla_convert.layer import mhla_layers
 
     model = _wan(num_layers=1)
     rotary = model.rope(torch.randn(1, 16, 21, 60, 100, device="cuda", dtype=torch.bfloat16))
@@ -102,13 +102,17 @@ def bench_wan_layer(backend):
     rot = InterleavedRotary(*rotary)
     q4, k4, v4 = (t.unflatten(2, (12, -1)) for t in (q, k, v))
     qt, kt, vt = (t.transpose(1, 2) for t in (q4, k4, v4))
+    qk_norms = ((q, attn.norm_q), (k, attn.norm_k))
     pieces = {
         "original module (SDPA)": lambda: attn(h, None, None, rotary),
         f"MHLA module ({backend})": lambda: layer(h, rotary_emb=rotary),
         "q, k, v, out projections": lambda: (attn.to_q(h), attn.to_k(h), attn.to_v(h), attn.to_out[0](h)),
-        "RMSNorm + RoPE of q and k, torch (the host's ops)": lambda: [rot.norm_rotate(t, n, 128, "torch") for t, n in ((q, attn.norm_q), (k, attn.norm_k))],
-        "RMSNorm + RoPE of q and k, fused (ops.rotary)": lambda: [rot.norm_rotate(t, n, 128, backend) for t, n in ((q, attn.norm_q), (k, attn.norm_k))],
-        f"MHLA op ({backend})": lambda: mhla_attention(q4, k4, v4, layer.mixing, grid=grid, blocks=WAN_BLOCKS, backend=backend),
+        "RMSNorm + RoPE of q and k, torch (the host's ops)":
+            lambda: [rot.norm_rotate(t, n, 128, "torch") for t, n in qk_norms],
+        "RMSNorm + RoPE of q and k, fused (ops.rotary)":
+            lambda: [rot.norm_rotate(t, n, 128, backend) for t, n in qk_norms],
+        f"MHLA op ({backend})":
+            lambda: mhla_attention(q4, k4, v4, layer.mixing, grid=grid, blocks=WAN_BLOCKS, backend=backend),
         "SDPA op": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
     }
     with torch.no_grad():

@@ -12,8 +12,8 @@ permuted or padded in memory. A causal chunk is one block of a 1-D grid and fits
 Head dims and COLS are compile-time constants: a run-time D of 72 (not a multiple of 16) hides
 from Triton that the `d < D` masks are constant over runs of 8, and every load turns scalar. So is
 the block shape's S1, S2 (one compile per block shape: a resolution bucket, or an LM's chunk): `_rows`
-divides every row index of every tile by them, and run-time divisors made that integer division
-(Wan readout 1,664 → 1,360 SASS instructions, summaries 1,512 → 1,056; inference 0.208 → 0.194 ms).
+divides every row index of every tile by them, and with run-time divisors each of those divisions is a
+software integer division (a fifth of the readout's and a third of the summaries' SASS instructions on Wan).
 """
 
 from __future__ import annotations
@@ -91,13 +91,13 @@ def _summaries_kernel(
     φ row is scaled by scale·W[b, h, 0, n] = scale / (den + eps) (from `_bwd_query_kernel`) and rounded to the
     input's precision once, the operand of both products: dS̃'s with do, and dz̃'s with W[b, h, 1, n] = −do·o
     in two columns, its hi and lo half parts (in place of the forward's ones). Rounding those rows is the
-    error dS̃ has anyway, and in dz̃ it adds nothing measurable to dk's and dmixing's (a float64 emulation,
-    docs/benchmarks.md); a float32 sum of the unrounded rows, across warps per tile, made Wan's dS̃ 0.135 ms
-    (0.098 now, 0.089 with no dz̃ at all). The weight goes on φ, already in registers, and not on the loaded
+    error dS̃ has anyway, and in dz̃ it adds nothing measurable to dk's and dmixing's errors (checked against a
+    float64 emulation); a float32 sum of the unrounded rows needs a cross-warp reduction per tile, which costs
+    Wan's dS̃ launch about a third more. The weight goes on φ, already in registers, and not on the loaded
     v tile: rescaling that tile before its product made Triton 3.6 read shared memory out of range (bf16, sm_90).
 
-    z is a tile product with ones, like S, not a column sum (a cross-warp reduction per tile):
-    measured 8% faster on the Wan summaries, no slower elsewhere. BDH / BDVH > 0 split a head dim
+    z is a tile product with ones, like S, not a column sum: that avoids a cross-warp reduction per tile
+    (8% of the Wan summaries' time). BDH / BDVH > 0 split a head dim
     that is not a power of two into BD + BDH columns (72 = 64 + 16 instead of 128): four smaller
     accumulators in place of one mostly padded one (see `head_dim_parts`). HILO: float32 sums stored as two
     halves, the rounded sum at S and its remainder LO elements on (`_put`)."""
@@ -532,7 +532,7 @@ def _dmix_kernel(
 @triton.jit
 def _sum_partials_kernel(PART, OUT, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[g, c] = Σ_r PART[g, r, c]: the mixing gradient's partials, summed in a fixed order (bit-reproducible,
-    unlike atomics; torch's sum over these leading dims took 2x the time of two launches)."""
+    unlike atomics, and faster than torch's reductions over these leading dims)."""
     _chained(PDL)
     g, pc = tl.program_id(0), tl.program_id(1)
     c = pc * BC + tl.arange(0, BC)

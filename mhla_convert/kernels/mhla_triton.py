@@ -6,12 +6,13 @@ token 1/(den + eps) and −do·o) → dS̃ and dz̃ by the summaries kernel over
 mixingᵀ GEMM (dS) → key side (dk, dv) → ⟨dS̃, S⟩ partials for dmixing; for half inputs and M ≤ 128
 one launch of the one-tile kernel (`_mix_sweep_kernel`) makes dS and those partials in one pass over
 dS̃, and the partials are summed by one more launch (for large problems on a second stream, beside the key
-side: `SIDE_SUM_MIN_ELEMENTS`). (dq and dS̃ were one kernel: its dS̃ accumulator held
-it at one program per SM.) On Hopper the launches are chained by programmatic dependent launch (`PDL`).
+side: `SIDE_SUM_MIN_ELEMENTS`). dq and dS̃ are separate launches because a dS̃ accumulator beside dq's
+would hold the kernel at one program per SM. On Hopper the launches are chained by programmatic dependent
+launch (`PDL`).
 The summaries at float32 precision and the mixed ones (in the input dtype for half inputs: they are a
 matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far below the
-activations for M ≪ N. Training keeps that precision for the mixing gradient (half summaries put it
-outside the tests' bound on few blocks, docs/benchmarks.md): float32, or, where the one-tile kernel makes
+activations for M ≪ N. Training keeps that precision for the mixing gradient (with half summaries the
+rounding does not average out of it over few blocks): float32, or, where the one-tile kernel makes
 the gradient, hi + lo half parts of which the forward's mixing reads only hi (`_summaries`). Inference
 (no autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one
 tile of all M blocks (M ≤ 128) or, for many blocks, with torch.matmul.
@@ -41,38 +42,35 @@ MAX_CHUNK = 128  # a causal chunk is one tile
 # launch shapes (module attributes so benchmarks/kernel_breakdown.py can sweep them)
 TILE_TOKENS = 64  # token tile of the non-causal kernels
 WIDE_WARPS = 8  # warps per program when a head dim is ≥ 128 (else 4)
-MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the mixing GEMM (best of benchmarks/kernel_breakdown.py)
+MIX_TILES = (32, 128, 32, 4)  # BM, BN, BK, warps of the row-tiled mixing GEMM (`kernel_breakdown.py`)
 # the mixing GEMMs of half-precision inputs when all M blocks fit one tile of BM = p2(M) rows and each output
-# head reads one input head (`_mix_sweep_kernel`): (BM, operand) -> (BN, warps, stages, programs per SM), from
-# `kernel_breakdown.py --mix-sweep`. Operand "half": inference's half summaries (Wan, M = 105: 0.093 ms
-# row-tiled -> 0.036; DiT/SANA 16k, M = 64: 0.015 -> 0.014); "float": training's float32 summaries; "grad":
-# the backward's dS̃ with the mixing gradient in the same pass, over hi + lo halves (Wan: 64-column tiles in 2
-# stages, 0.106 -> 0.097 ms with the partials' sum, against 32 columns in 3 stages; only 2 stages fit beside the
+# head reads one input head (`_mix_sweep_kernel`): (BM, operand) -> (BN, warps, stages, programs per SM), chosen
+# with `kernel_breakdown.py --mix-sweep`. Holding the whole mixing once per program means no summary column is
+# read twice, which more than halves Wan's mixing (M = 105) against the row-tiled kernel. Operand "half":
+# inference's half summaries; "float": training's float32 summaries; "grad": the backward's dS̃ with the mixing
+# gradient in the same pass, over hi + lo halves (64-column tiles in 2 stages: only 2 stages fit beside the
 # mixing weights' hi + lo halves in shared memory); "grad_float": the same over float32 dS̃ and summaries (where
-# those are not halves: blocks split over programs, or HILO_SUMMARIES off), whose tiles take twice the room (the
-# 64-column setting does not fit there). Other BM (row-tiled was as fast at M = 16), float32 inputs and grouped
-# heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
+# those are not halves: blocks split over programs, or HILO_SUMMARIES off), whose tiles take twice the room (a
+# 64-column tile does not fit in shared memory there). Other BM (at M = 16 the row-tiled kernel is as fast),
+# float32 inputs and grouped heads take `_mix_kernel` with MIX_TILES (and `_dmix_kernel`)
 MIX_SWEEP: dict = {(128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2), (128, "float"): (64, 8, 3, 1),
                    (128, "grad"): (64, 8, 2, 1), (64, "grad"): (32, 4, 3, 2),
                    (128, "grad_float"): (32, 8, 3, 1), (64, "grad_float"): (32, 4, 3, 2)}
-MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: causal 32k (M = 512)
-# forward 0.755 -> 0.454 ms; no gain at M <= 105 (docs/bench/backward_and_mix_matmul.txt)
+MATMUL_MIX_MIN_BLOCKS = 256  # inference with M at least this mixes through torch.matmul: a large M x M mixing
+# is a real GEMM, where torch.matmul beats both mixing kernels (causal 32k, M = 512); at M <= 128 it gains nothing
 SPLIT_HEAD_DIMS = True  # non-causal forward tiles cover a head dim like 72 in two parts (`head_dim_parts`)
 PROGRAMS_PER_SM = 4  # split a block's tiles over programs below this many programs per SM
 # forward launch shapes per head dims (D, Dv): (warps, stages[, token tile]) of the summaries and readout
-# launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). From `benchmarks/kernel_breakdown.py
-# --sweep fwd` (docs/benchmarks.md): Wan (D = 128) 0.293 -> 0.239 ms with 4 warps and 2 stages; DiT (D = 72,
-# split 64 + 16) at 16,384 tokens 0.195 -> 0.113 ms. SANA (D = 32) is best at the default (4 warps, 3 stages).
+# launches; absent = (the plan's warps, Triton's default, TILE_TOKENS). Chosen with `kernel_breakdown.py --sweep
+# fwd` on an H200: 4 warps and 2 stages suit D = 128, 72 (as 64 + 16) and 64; D = 32 is best at the default.
 FWD_CONFIGS: dict = {(128, 128): (4, 2), (72, 72): (4, 2), (64, 64): (4, 2)}  # keyed on (D, Dv)
 # each non-causal launch's own (warps, stages, register cap[, token tile]) per head dims, over the defaults
-# above (`kernel_breakdown.py --sweep LAUNCH`, docs/benchmarks.md): a register cap lets one more program share
-# the SM. Wan: summaries 0.093 -> 0.088 ms (8 warps, 2 programs per SM); readout 0.096 -> 0.091 (1 stage, so 4
-# programs per SM fit in shared memory, not 3); dq ("bwd_queries") 0.239 -> 0.186 (3 programs per SM of 32-token
-# tiles); dk, dv ("bwd_keys") 0.180 -> 0.157. DiT: dq 0.149 -> 0.114, dk, dv 0.117 -> 0.099 (its summaries
-# gained 0.006 ms at 16k tokens with 32-token tiles but lost 0.02 at 1,024, split over programs). "bwd_summaries"
-# is dS̃ (the summaries kernel, weighted; dz̃ its tile product with W[1]): Wan 0.135 -> 0.099, DiT 16k 0.078 -> 0.058.
-# Eighth session, Wan: dq at a 128-register cap (4 programs per SM; 14 bytes spilled) 0.158 -> 0.153, dS̃ in
-# 32-token tiles 0.098 -> 0.096 (fwd+bwd 0.699-0.701 -> 0.695-0.698 ms, three processes each)
+# above, chosen with `kernel_breakdown.py --sweep LAUNCH` on an H200. The kernels are latency-bound, so what
+# counts is programs per SM: a register cap lets one more program share the SM (Wan's summaries: 2 programs of
+# 8 warps; dq at 128 registers: 4 programs, a few bytes spilled), and the readout's 1 stage leaves shared memory
+# for 4 programs instead of 3. "bwd_summaries" is dS̃ (the summaries kernel, weighted; dz̃ its tile product with
+# W[1]). DiT's summaries keep the defaults: 32-token tiles help at 16k tokens but split the 1,024-token
+# problem over programs, which costs more there.
 LAUNCH_CONFIGS: dict = {
     "summaries": {(128, 128): (8, 3, 128)},
     "readout": {(128, 128): (4, 1, 128)},
@@ -83,13 +81,13 @@ LAUNCH_CONFIGS: dict = {
 
 
 HILO_SUMMARIES = True  # training's summaries as hi + lo halves where the one-tile kernel makes the mixing gradient
-# (`_summaries`; dS̃ too): Wan training forward 0.226 -> 0.205 ms (mixing 0.058 -> 0.036), its mixing gradient
-# 0.092 -> 0.096 (three half products, docs/benchmarks.md)
+# (`_summaries`; dS̃ too): the forward's mixing reads only the hi halves (half the bytes of float32, and the
+# faster half-precision operand), and the gradient's three half products of the parts keep float32 precision
 SUM_TILES = (64, 32, 4)  # rows, columns, warps of the mixing gradient's partials sum (`_sum_partials_kernel`)
 PDL = True  # chain each operator's launches by programmatic dependent launch (Hopper and later; `_chained`)
 # the mixing gradient's partials are summed on a second stream beside the key side from this many elements of q,
-# k, v and o on (B·N·(H + H_kv)·(D + Dv); Wan, DiT and SANA at 16k tokens and more): Wan 31,500 fwd+bwd 0.709 ->
-# 0.702 ms (the sum's 0.009 hidden). Below it the two stream waits' host time would go on host-bound shapes.
+# k, v and o on (B·N·(H + H_kv)·(D + Dv); Wan, DiT and SANA at 16k tokens and more), where the sum's launch is
+# hidden behind the key side. Below it the two stream waits' host time would go on host-bound shapes.
 SIDE_SUM_MIN_ELEMENTS = 1 << 25
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
@@ -223,7 +221,8 @@ def _direct(hit, args, more, stream):
     addresses, which Triton's launcher would otherwise ask each tensor for and check with the driver, then the
     integers)."""
     run, head, tail, g = hit
-    # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() was 40% of a launch's host time
+    # the raw handle, as Triton's own launcher asks it: torch.cuda.current_stream() would be a large share of a
+    # cached launch's host time
     raw = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if stream is None else stream.cuda_stream
     run(g[0], g[1], g[2], raw, *head, *args, *more, *tail)
 
@@ -542,8 +541,8 @@ def _bwd_summaries(p: _Plan, q, do, w, f):
 def _mix_t(p: _Plan, mixing, dst, s, dtype, f):
     """dS = mixingᵀ dS̃, and the mixing gradient's partials when the one-tile kernel makes them in the same
     pass (else None). That kernel writes dS in the mixed summaries' half `dtype` (the key side reads it as a
-    matmul operand in that precision anyway); the row-tiled one in float32 (measured faster: causal 32k
-    0.51 ms against 0.64 for a bf16 dS, of which the key side got back 0.03)."""
+    matmul operand in that precision anyway); the row-tiled one in float32 (a bf16 dS from that kernel costs
+    it more than the key side's half-precision reads save)."""
     fn, launch = f["mix_t"]
     one_tile = fn is K._mix_sweep_kernel
     ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype if one_tile else torch.float32)
@@ -583,7 +582,7 @@ class _SideStream:
     """A device's second stream, with the two events that fork work onto it from the current stream and join
     it back. Made once per device (a stream or event per backward costs host time); kernels go on it by its
     raw handle (`_run`), not under `torch.cuda.stream`, whose enter and exit, with `wait_stream`'s new
-    events, made the second stream cost a Wan backward 0.1 ms of host time. Everything the side stream
+    events, would cost each backward about 0.1 ms of host time. Everything the side stream
     touches is allocated on the current stream, which waits for it (`join`) before anything after the
     backward, so freed memory is never reused under it."""
 

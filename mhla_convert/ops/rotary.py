@@ -1,9 +1,9 @@
 """Wan's rotary position embedding on interleaved channel pairs, after the q/k RMSNorm across heads.
 
 The torch path is the host's own ops (diffusers' `WanAttnProcessor`), so a converted layer and its
-distillation teacher rotate bitwise alike in training. Measured on an H200 it costs ~1 ms per Wan
-layer at 31,500 tokens, as much as the four projections and three times the attention op
-(docs/benchmarks.md), because it runs as several float32 elementwise passes. Inference on CUDA
+distillation teacher rotate bitwise alike in training. On an H200 it costs ~1 ms per Wan layer at
+31,500 tokens, as much as the four projections and several times the MHLA op (docs/benchmarks.md),
+because it runs as several float32 elementwise passes. Inference on CUDA
 takes one fused pass per tensor instead (`kernels.rotary_triton`): read x, norm, rotate, write.
 """
 

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run the GPU tests and every benchmark script in turn, writing their outputs to docs/bench/ or to the
+# directory given as the first argument. Needs a CUDA GPU and the package with its "triton" and "bench"
+# extras (pip install -e ".[triton,bench]"); `PYTHON` picks the interpreter (default: python).
+# Exits non-zero if any step failed; the other steps still run.
+set -u
+mkdir -p "${1:-docs/bench}"
+out=$(cd "${1:-docs/bench}" && pwd)
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python}
+failed=0
+
+step() {  # step FILE COMMAND...: run COMMAND, its stdout and stderr to FILE
+    local file=$1
+    shift
+    echo "== $* > $file"
+    "$@" > "$out/$file" 2>&1 || { echo "   failed (exit $?)"; failed=1; }
+}
+
+"$py" -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)" \
+    > "$out/gpu_tests.txt" 2>&1 || failed=1
+workers=()
+"$py" -c "import xdist" > /dev/null 2>&1 && workers=(-n 8)
+echo "== pytest tests/test_kernels.py tests/test_layer.py >> gpu_tests.txt"
+"$py" -m pytest -q ${workers[@]+"${workers[@]}"} -rf -p no:cacheprovider tests/test_kernels.py tests/test_layer.py \
+    >> "$out/gpu_tests.txt" 2>&1 || { echo "   failed"; failed=1; }
+
+step kernel_breakdown.txt "$py" benchmarks/kernel_breakdown.py
+step attention_op.log "$py" benchmarks/attention_op.py --out "$out/attention_op"
+step decode_step.txt "$py" benchmarks/decode_step.py
+step host_overhead.txt "$py" benchmarks/host_overhead.py
+step offline_compile.txt "$py" benchmarks/offline_compile.py
+: > "$out/whole_models.txt"
+for model in wan-layer sana wan; do
+    echo "== $py benchmarks/wan_forward.py --model $model >> whole_models.txt"
+    "$py" benchmarks/wan_forward.py --model "$model" >> "$out/whole_models.txt" 2>&1 || { echo "   failed"; failed=1; }
+done
+echo "results in $out"
+exit $failed
