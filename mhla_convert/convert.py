@@ -74,7 +74,7 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
     """
     adapter = adapter_for_model(model)
-    if getattr(model, PLAN_ATTR, None):
+    if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
         raise ValueError("this model is already converted; load the original to convert it again")
     attention = adapter.attention_modules(model)
     indices = plan_layers(len(attention), ratio=ratio, strategy=strategy, layers=layers)
