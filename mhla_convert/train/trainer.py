@@ -27,7 +27,6 @@ from .build import build_model
 from .data import build_dataset, check_data_path, loader
 from .errors import TrainError
 from .metrics import MetricsFile
-from .objectives import objective_for
 from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
@@ -118,10 +117,11 @@ class Trainer:
         model = self.built.model
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
-        self.objective = objective_for(self.built.family, recipe.objective)
+        self.objective = self.built.adapter.objective(recipe.objective)
         base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
         with acc.main_process_first():  # one process encodes, the others read its cache
-            self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed, components=recipe.data.components or base)
+            self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
+                                         components=recipe.data.components or base)
         self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
         start = self.resume_from.step if self.resume_from else 0
