@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
-from ..lm_cache import mhla_cache_layer
+from .lm_cache import mhla_cache_layer
 from .base import FamilyAdapter, register
 
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+from ..placement import parse_dtype
 from .errors import TrainError
 from .recipe import Recipe
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -34,7 +32,7 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
 
-    spec, dtype = recipe.model, DTYPES[recipe.model.dtype]
+    spec, dtype = recipe.model, parse_dtype(recipe.model.dtype)
     try:
         if spec.checkpoint:
             from .. import from_pretrained

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..mixing import clamp_mixing_
-from ..models import SOURCE_ATTR
+from ..locations import SOURCE_ATTR
 from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
