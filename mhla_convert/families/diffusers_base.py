@@ -133,7 +133,7 @@ class DiffusersAdapter(FamilyAdapter):
     Training and sampling: a text-conditioned image model with a KL VAE, a T5 text encoder and
     ε-prediction (DDPM) by default. A family overrides `denoise` (required) and what differs:
     `flow_shift` (flow matching), `video`, `pipeline_class`, `max_prompt_length`, `latent_channels`,
-    `text_width`, `synthetic_conditions`, `tiny_vae`, `tiny_text_encoder`, `tiny_extra_components`,
+    `text_width`, `synthetic_conditions`, `tiny_vae`, `tiny_text_encoder`, `tiny_extra_components`, `prompt_length`,
     `encode_latents`, `encode_text`, `encode_conditions`, `sample`.
     """
 
