@@ -118,7 +118,8 @@ class WanAdapter(DiffusersAdapter):
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         # The I2V processor splits off the image tokens assuming exactly 512 text tokens.
-        inputs = {**super().example_inputs(model, grid, batch_size), "encoder_hidden_states": self._text(model, batch_size, 512, model.config.text_dim)}
+        inputs = super().example_inputs(model, grid, batch_size)  # drawn before the text: a seed gives the same inputs
+        inputs["encoder_hidden_states"] = self._text(model, batch_size, WAN_TEXT_TOKENS, model.config.text_dim)
         if model.config.image_dim is not None:
             inputs["encoder_hidden_states_image"] = self._text(model, batch_size, 4, model.config.image_dim)
         return inputs
