@@ -83,9 +83,9 @@ class FamilyAdapter:
 
     required, to convert and save: `attention_modules`, `default_blocks`, `convert_layer`,
     `example_inputs`, `build`, `load_pretrained`, `model_config`, `tiny_config` (or `tiny_configs`);
-    required, to train: `objective`, `synthetic_data`;
+    required, to train: `objective`, `synthetic_data` (DiffusersAdapter: `denoise`, the call its objective makes);
     required, to sample: `sample` (and set `sample_kind`);
-    required for image / video folders (diffusion): `pipeline_name`, `tiny_components`,
+    required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
     `encode_latents`, `encode_conditions`;
     optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants),
     `check_folder_spec`, `cache_name`, `takes_first_frame`.
