@@ -15,8 +15,7 @@ from .recipe import Recipe
 @dataclass
 class Built:
     model: nn.Module
-    adapter: object
-    family: str
+    adapter: object  # the model's FamilyAdapter
     converted: list[int]
     teachers: list[nn.Module] = field(default_factory=list)  # originals of the converted layers
     report: object = None
@@ -50,7 +49,7 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
         raise TrainError(f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} model: use a {spec.family} model or a {adapter.name} recipe")
     if spec.checkpoint:
         plan = getattr(model, PLAN_ATTR, None) or {}
-        return Built(model, adapter, adapter.name, list(plan.get("layers", [])))
+        return Built(model, adapter, list(plan.get("layers", [])))
     needs_teachers = teachers and any(s.name == "attention_transfer" for s in recipe.stages)
     originals = snapshot_attention(adapter, model) if needs_teachers else []
     c = recipe.conversion
@@ -59,4 +58,4 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
     kept = [originals[i] for i in report.converted] if originals else []
-    return Built(model, adapter, adapter.name, list(report.converted), kept, report)
+    return Built(model, adapter, list(report.converted), kept, report)
