@@ -82,7 +82,8 @@ def convert_command(
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
     from .convert import convert, parse_blocks
     from .io import save_pretrained
-    from .models import load_source, parse_dtype, resolve
+    from .models import load_source, resolve
+    from .placement import parse_dtype
     from .plan import plan_layers
 
     try:  # check every option before a possibly long download

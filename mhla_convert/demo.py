@@ -17,7 +17,6 @@ from .io import from_pretrained, save_pretrained
 from .layer import mhla_layers
 from .models import tiny_model
 from .ops import mhla_attention_reference
-from .ops.rotary import InterleavedRotary
 
 MODEL, RATIO, GRID = "tiny-wan", 0.67, (8, 7, 9)  # frames x height x width patches; no axis divides into 7x3x5
 
@@ -34,7 +33,7 @@ def layer_reference_error(model, inputs, grid) -> float:
         model(**inputs)
         hook.remove()
         x, rope = seen["args"][0], (seen["args"][3] if len(seen["args"]) > 3 else None)
-        q, k, v = layer.project(x, None if rope is None else InterleavedRotary(*rope))
+        q, k, v = layer.project(x, None if rope is None else layer.rotary(*rope))
         cfg = layer.config
         ref = mhla_attention_reference(q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
         return (layer.output(ref) - seen["out"]).abs().max().item()

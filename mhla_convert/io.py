@@ -30,7 +30,8 @@ from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
-from .models import _HUB_ID, MHLA_CONFIG, SOURCE_ATTR, _place, hub_unreachable
+from .locations import HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .placement import place_model
 
 FORMAT_VERSION = 1
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -157,7 +158,7 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or "/" not in str(dir_or_hub_id) or not _HUB_ID.match(str(dir_or_hub_id)):
+    if path.exists() or "/" not in str(dir_or_hub_id) or not HUB_ID.match(str(dir_or_hub_id)):
         raise ValueError(f"{dir_or_hub_id} is not a directory (nor a hub id like owner/name)")
     from huggingface_hub import snapshot_download
 
@@ -184,5 +185,5 @@ def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: s
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
     _restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
     setattr(model, SOURCE_ATTR, {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"), "subfolder": meta.get("base_model_subfolder")})
-    return _place(model, torch_dtype, device).eval()
+    return place_model(model, torch_dtype, device).eval()
 

@@ -17,8 +17,9 @@ from torch import nn
 from .mixing import MixingInit, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
 from .ops import MHLAState, init_state, mhla_attention, mhla_recurrent_step
 from .ops.blocks import as_axes
-from .ops.rotary import InterleavedRotary
 
+# (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
+# x (B, N, H·D) → (B, N, H, D) normed across heads and rotated in one pass (Wan's, ops.rotary.InterleavedRotary).
 Rotary = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -131,10 +132,11 @@ class MHLAttention(nn.Module):
         """x (B, N, C) → q, k, v as (B, N, H, D), normed and rotated as the host model did."""
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
         rotate = rotary is not None and self.config.rope == "before_feature_map"
-        if rotate and self.qk_norm == "across_heads" and isinstance(rotary, InterleavedRotary):
+        norm_rotate = getattr(rotary, "norm_rotate", None)
+        if rotate and self.qk_norm == "across_heads" and norm_rotate is not None:
             # norm and rotation in one pass per tensor where a kernel takes them (ops.rotary)
             backend = "torch" if self.config.backend == "torch" else "auto"
-            q, k = (rotary.norm_rotate(t, norm, self.head_dim, backend) for t, norm in ((q, self.norm_q), (k, self.norm_k)))
+            q, k = (norm_rotate(t, norm, self.head_dim, backend) for t, norm in ((q, self.norm_q), (k, self.norm_k)))
             return q, k, v.unflatten(-1, (-1, self.head_dim))
         if self.qk_norm == "across_heads":
             q, k = self.norm_q(q), self.norm_k(k)

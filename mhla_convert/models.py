@@ -8,7 +8,6 @@ Diffusers pipelines keep the transformer in a `transformer/` subfolder, which is
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,25 +16,10 @@ import torch
 from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
+from .locations import HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .placement import parse_dtype, place_model
 
-SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 PIPELINE_SUBFOLDER = "transformer"
-MHLA_CONFIG = "mhla_config.json"
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-
-DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-    "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-}
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}") from None
 
 
 def aliases() -> dict[str, tuple[str, str]]:
@@ -54,29 +38,6 @@ def tiny_models() -> dict[str, tuple[str, dict[str, Any]]]:
     return out
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to `dtype`, except the model's `_keep_in_fp32_modules`
-    (what diffusers' `from_pretrained(torch_dtype=...)` does; a plain `.to(dtype)` would cast those
-    too, e.g. Wan's RoPE tables and modulation). Parameters are cast in place, so ties survive."""
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
-    for module_name, module in model.named_modules():
-        for key, tensor in [*module._parameters.items(), *module._buffers.items()]:
-            if tensor is None or not tensor.is_floating_point() or keep & set(f"{module_name}.{key}".split(".")):
-                continue
-            if isinstance(tensor, nn.Parameter):
-                tensor.data = tensor.data.to(dtype)
-            else:
-                module._buffers[key] = tensor.to(dtype)
-    return model
-
-
-def _place(model: nn.Module, torch_dtype, device) -> nn.Module:
-    dtype = parse_dtype(torch_dtype)
-    if dtype is not None:
-        cast_model(model, dtype)
-    return model.to(device) if device is not None else model
-
-
 def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn.Module:
     """A built-in tiny model with reproducible random weights (the global RNG is left untouched)."""
     models = tiny_models()
@@ -87,7 +48,7 @@ def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn
         torch.manual_seed(seed)
         model = adapter_for_family(family).build(config)
     setattr(model, SOURCE_ATTR, {"base_model": name, "revision": None, "subfolder": None})
-    return _place(model, torch_dtype, device).eval()
+    return place_model(model, torch_dtype, device).eval()
 
 
 @dataclass
@@ -114,13 +75,6 @@ def _local_source(path: Path) -> Source:
         if config.is_file():
             return Source("local", str(path), subfolder, config=json.loads(config.read_text()))
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
-
-
-def hub_unreachable(repo_id: str, error: Exception) -> OSError:
-    return OSError(
-        f"could not reach the Hugging Face Hub for {repo_id!r} ({type(error).__name__}: {error}); "
-        "pass a local directory instead (a model saved with save_pretrained, or a pipeline folder with transformer/)"
-    )
 
 
 def _hub_source(repo_id: str, revision: str | None) -> Source:
@@ -150,7 +104,7 @@ def resolve(spec: str, *, revision: str | None = None) -> Source:
         return _local_source(path)
     if spec.startswith((".", "/", "~")):
         raise ValueError(f"{spec}: no such directory")
-    if not _HUB_ID.match(spec):
+    if not HUB_ID.match(spec):
         raise ValueError(f"{spec!r} is neither an alias (see `mhla-convert list`), a directory nor a hub id")
     return _hub_source(spec, revision)
 
@@ -171,4 +125,4 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
     kwargs = {k: v for k, v in (("subfolder", source.subfolder), ("revision", source.revision), ("torch_dtype", parse_dtype(torch_dtype))) if v is not None}
     model = adapter.load_pretrained(source.location, **kwargs)
     setattr(model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder})
-    return _place(model, None, device).eval()
+    return place_model(model, None, device).eval()

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import mhla_convert
 from mhla_convert import convert, from_pretrained, push_to_hub, save_pretrained
 from mhla_convert.families import adapter_for_model
 from mhla_convert.models import load_model
@@ -17,28 +16,7 @@ GRIDS = {"tiny-sana": (7, 9), "tiny-wan": (5, 6, 7), "tiny-wan-i2v": (3, 4, 5), 
 
 def _inputs(model, name):
     torch.manual_seed(0)
-    if name == "tiny-llama":
-        return {"input_ids": torch.randint(0, model.config.vocab_size, (2, 70))}
     return adapter_for_model(model).example_inputs(model, GRIDS[name], 2)
-
-
-@pytest.mark.parametrize("name", [*GRIDS, "tiny-llama"])
-def test_reload_gives_bitwise_equal_outputs(tiny, run_model, tmp_path, name):
-    model = tiny(name)
-    convert(model, ratio=0.67)
-    with torch.no_grad():  # trained-looking mixing, so reload is not just re-initialisation
-        for _, layer in mhla_convert.mhla_layers(model):
-            layer.mixing.mul_(torch.rand_like(layer.mixing))
-    inputs = _inputs(model, name)
-    before = run_model(model, inputs)
-    path = save_pretrained(model, tmp_path / "ckpt")
-    meta = json.loads((path / "mhla_config.json").read_text())
-    assert meta["plan"]["layers"] == model.mhla_plan["layers"] and meta["base_model"] == name
-    assert meta["mhla_convert_version"] == mhla_convert.__version__ and "blocks" in meta["mhla"]
-    reloaded = from_pretrained(path)
-    assert torch.equal(run_model(reloaded, inputs), before)
-    assert reloaded.mhla_plan == model.mhla_plan
-    assert load_model(str(path)).mhla_plan == model.mhla_plan  # load_model recognises checkpoints too
 
 
 def test_sharded_checkpoint_and_bf16(tiny, run_model, tmp_path):

@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicCache
 from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model
 from mhla_convert.families.llama import MHLALlamaAttention, apply_rotary
-from mhla_convert.lm_cache import MHLACacheLayer
+from mhla_convert.families.lm_cache import MHLACacheLayer
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
 

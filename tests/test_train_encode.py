@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import mhla_convert
+from mhla_convert.families.wan import image_condition
 from mhla_convert.train import TrainError, encode, parse_recipe
 from mhla_convert.train.components import pipeline
 from mhla_convert.train.data import load_shards
@@ -111,7 +112,7 @@ def test_i2v_condition_matches_the_pipeline():
     pixels = frames.float() / 127.5 - 1  # as encode._read gives them
     latents = torch.randn(2, 4, 2, 4, 4)
     with torch.no_grad():
-        ours = encode.image_condition(pipe, pixels, latents)
+        ours = image_condition(pipe, pixels, latents)
         # prepare_latents takes one image (repeated over its batch): compare example by example
         for i in range(2):
             _, reference = pipe.prepare_latents(pixels[i : i + 1, :, 0], 1, 4, 32, 32, 5, torch.float32, "cpu")

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
 from ..layer import MHLAConfig
+
+if TYPE_CHECKING:
+    from ..train.objectives import Objective
+    from ..train.recipe import DataSpec, ObjectiveSpec
 
 _REGISTRY: dict[str, type["FamilyAdapter"]] = {}
 
@@ -69,9 +74,23 @@ def adapter_for_config(config: dict[str, Any]) -> "FamilyAdapter":
 
 
 class FamilyAdapter:
-    """Where one family keeps its self-attention and how to swap it for MHLA.
+    """Everything mhla-convert knows about one model family: where its self-attention lives, how to
+    swap it for MHLA, how to build its models, and how to train and sample it.
 
-    Subclasses set the class attributes and implement the methods that raise here.
+    A new family is one file in this package: a subclass decorated with `@register`. It sets the
+    class attributes `name`, `library` and `model_classes` (optional: `aliases`, `causal`) and
+    overrides (diffusers transformers get most of these from `DiffusersAdapter`):
+
+    required, to convert and save: `attention_modules`, `default_blocks`, `convert_layer`,
+    `example_inputs`, `build`, `load_pretrained`, `model_config`, `tiny_config` (or `tiny_configs`);
+    required, to train: `objective`, `synthetic_data` (DiffusersAdapter: `denoise`, the call its objective makes);
+    required, to sample: `sample` (and set `sample_kind`);
+    required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
+    `encode_latents`, `encode_conditions`;
+    optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants),
+    `check_folder_spec`, `cache_name`, `takes_first_frame`.
+
+    A required hook left out raises NotImplementedError naming the family and the hook.
     """
 
     name: ClassVar[str]
@@ -79,15 +98,20 @@ class FamilyAdapter:
     model_classes: ClassVar[tuple[str, ...]]  # class names this adapter converts
     aliases: ClassVar[dict[str, str]] = {}  # CLI alias -> hub id
     causal: ClassVar[bool] = False
+    sample_kind: ClassVar[str] = "image"  # what `sample` returns: "image", "video" or "text"
+
+    def _missing(self, hook: str) -> NotImplementedError:
+        return NotImplementedError(f"family {self.name!r} does not implement FamilyAdapter.{hook} "
+                                   "(see mhla_convert/families/base.py)")
 
     # --- what to convert -------------------------------------------------------------------
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """The self-attention module of every layer, in layer order (converted or not)."""
-        raise NotImplementedError
+        raise self._missing("attention_modules")
 
     def default_blocks(self, model: nn.Module) -> tuple[int, ...] | None:
         """Blocks per grid axis at the family's native resolution (M² ≤ N); None for causal."""
-        raise NotImplementedError
+        raise self._missing("default_blocks")
 
     def native_grid(self, model: nn.Module) -> tuple[int, ...] | None:
         """The token grid the defaults were chosen for (reported; conversion works at any grid)."""
@@ -105,17 +129,18 @@ class FamilyAdapter:
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         """Replace layer `index`'s self-attention in place, moving its pretrained weights into
         the new module, and return the new module."""
-        raise NotImplementedError
+        raise self._missing("convert_layer")
 
-    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1) -> dict[str, Any]:
+    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None,
+                       batch_size: int = 1) -> dict[str, Any]:
         """Random keyword inputs for `model(**inputs)` on a token `grid` (diffusers) or of
         `grid[0]` tokens (LMs): what the demo, tests and smoke checks feed a model."""
-        raise NotImplementedError
+        raise self._missing("example_inputs")
 
     # --- building models -------------------------------------------------------------------
     def tiny_config(self) -> dict[str, Any]:
         """A config for a tiny random-weight model of this family (tests, demo, offline use)."""
-        raise NotImplementedError
+        raise self._missing("tiny_config")
 
     def tiny_configs(self) -> dict[str, dict[str, Any]]:
         """Every built-in tiny model of this family by name; a family with variants (Wan T2V and
@@ -124,12 +149,65 @@ class FamilyAdapter:
 
     def build(self, config: dict[str, Any]) -> nn.Module:
         """A randomly initialised base model from a config dict."""
-        raise NotImplementedError
+        raise self._missing("build")
 
     def load_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
         """The pretrained base model from a local directory or hub id."""
-        raise NotImplementedError
+        raise self._missing("load_pretrained")
 
     def model_config(self, model: nn.Module) -> dict[str, Any]:
         """The base model's own config as a JSON-able dict (what `build` takes back)."""
-        raise NotImplementedError
+        raise self._missing("model_config")
+
+    # --- training --------------------------------------------------------------------------
+    def objective(self, spec: ObjectiveSpec) -> Objective:
+        """The family's training objective (train/objectives.py: `FlowMatching`, `EpsPrediction`,
+        `NextToken`), built from the recipe's objective section."""
+        raise self._missing("objective")
+
+    def synthetic_data(self, model: nn.Module, spec: DataSpec, seed: int) -> dict[str, torch.Tensor]:
+        """The built-in synthetic training set as columns {name: (N, ...) tensor}: structured random
+        data with the model's own shapes, so that training on it can lower the loss."""
+        raise self._missing("synthetic_data")
+
+    def cache_name(self, model: nn.Module) -> str:
+        """What the encoded-data cache key calls this model's task (variants that encode the same
+        files into different tensors return different names)."""
+        return self.name
+
+    # --- image / video folders (diffusion) -------------------------------------------------
+    def pipeline_name(self, transformer: nn.Module) -> str:
+        """The diffusers pipeline class that feeds `transformer` as it was trained."""
+        raise self._missing("pipeline_name")
+
+    def tiny_components(self, transformer: nn.Module) -> dict[str, Any]:
+        """Tiny random pipeline components (VAE, text encoder, tokenizer, scheduler, ...) matching
+        `transformer`'s config, built in-process with fixed seeds (no downloads)."""
+        raise self._missing("tiny_components")
+
+    def check_folder_spec(self, spec: DataSpec) -> None:
+        """Refuse folder settings the family's VAE cannot take (raise TrainError)."""
+
+    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] (B, C, [F,] H, W) → the latents the transformer is trained on."""
+        raise self._missing("encode_latents")
+
+    def encode_conditions(self, pipe, transformer: nn.Module, rows: list[dict], pixels: torch.Tensor,
+                          latents: torch.Tensor, spec: DataSpec) -> dict[str, torch.Tensor]:
+        """The conditioning columns of one encode batch (text embeddings, class labels, ...) from
+        the metadata `rows`, the batch's pixels and latents."""
+        raise self._missing("encode_conditions")
+
+    # --- sampling --------------------------------------------------------------------------
+    def takes_first_frame(self, model: nn.Module) -> bool:
+        """Whether `sample` needs a first frame (image-to-video models)."""
+        return False
+
+    def sample(self, model: nn.Module, base: str | None, prompt: str, *, device: str, seed: int = 0,
+               steps: int = 20, guidance_scale: float | None = None, class_label: int = 0,
+               height: int | None = None, width: int | None = None, num_frames: int | None = None,
+               max_new_tokens: int = 32, image=None):
+        """One sample from a converted model: a PIL image, a list of (H, W, 3) frames in [0, 1] or
+        the generated text, as `sample_kind` says. `base` names the model the other pipeline parts
+        (VAE, text encoder, tokenizer) come from."""
+        raise self._missing("sample")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import diffusers
 import torch
@@ -19,10 +19,10 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops import mhla_attention
-from ..ops.rotary import InterleavedRotary
 from .base import FamilyAdapter, UnsupportedModelError
 
 GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
+TINY_VOCAB = 98  # the tiny text encoders' vocabulary: train/components.py's character tokenizer
 
 
 class TokenGrid:
@@ -66,9 +66,11 @@ class DiffusersMHLA(MHLAttention):
 
     token_grid: TokenGrid | None = None
     clip_fp16: bool = False  # SANA's processor clips fp16 outputs to the finite range
+    rotary: Callable | None = None  # the family's rotary from the host's `rotary_emb` (DiffusersAdapter.rotary)
 
     @classmethod
-    def from_host(cls, host: nn.Module, config: MHLAConfig, *, qk_norm: str | None, clip_fp16: bool = False) -> "DiffusersMHLA":
+    def from_host(cls, host: nn.Module, config: MHLAConfig, *, qk_norm: str | None, clip_fp16: bool = False,
+                  rotary: Callable | None = None) -> "DiffusersMHLA":
         """Move `host`'s projections and norms into a new layer; only `mixing` (and an optional
         output norm) are new. Built on the meta device first so no throwaway weights are initialised."""
         has_norm = getattr(host, "norm_q", None) is not None
@@ -89,7 +91,7 @@ class DiffusersMHLA(MHLAttention):
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         layer.out_norm.to(weight.dtype)
-        layer.clip_fp16 = clip_fp16
+        layer.clip_fp16, layer.rotary = clip_fp16, rotary
         return layer
 
     def current_grid(self, num_tokens: int) -> tuple[int, ...]:
@@ -115,7 +117,10 @@ class DiffusersMHLA(MHLAttention):
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
         if encoder_hidden_states is not None or attention_mask is not None:
             raise ValueError("an MHLA self-attention layer takes neither encoder_hidden_states nor an attention mask")
-        q, k, v = self.project(hidden_states, None if rotary_emb is None else InterleavedRotary(*rotary_emb))
+        if rotary_emb is not None and self.rotary is None:
+            raise ValueError("this MHLA layer got rotary_emb but its family adapter declares no rotary "
+                             "(set DiffusersAdapter.rotary)")
+        q, k, v = self.project(hidden_states, None if rotary_emb is None else self.rotary(*rotary_emb))
         out = self.output(self.attend(q, k, v, self.current_grid(hidden_states.shape[1])))
         if self.clip_fp16 and out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
@@ -123,13 +128,26 @@ class DiffusersMHLA(MHLAttention):
 
 
 class DiffusersAdapter(FamilyAdapter):
-    """A diffusers transformer whose blocks keep self-attention at `<blocks_attr>[i].attn1`."""
+    """A diffusers transformer whose blocks keep self-attention at `<blocks_attr>[i].attn1`.
+
+    Training and sampling: a text-conditioned image model with a KL VAE, a T5 text encoder and
+    ε-prediction (DDPM) by default. A family overrides `denoise` (required) and what differs:
+    `flow_shift` (flow matching), `video`, `pipeline_class`, `max_prompt_length`, `latent_channels`,
+    `text_width`, `synthetic_conditions`, `tiny_vae`, `tiny_text_encoder`, `tiny_extra_components`, `prompt_length`,
+    `encode_latents`, `encode_text`, `encode_conditions`, `sample`.
+    """
 
     library = "diffusers"
     blocks_attr: ClassVar[str] = "transformer_blocks"
     native_blocks: ClassVar[tuple[int, ...]] = (4, 4)
     qk_norm: ClassVar[str] = "per_head"  # how the host's processor applies norm_q/norm_k, if it has them
     clip_fp16: ClassVar[bool] = False
+    # rotary(*rotary_emb) → the layer's `rotary` callable, for hosts whose attention takes `rotary_emb`
+    rotary: ClassVar[Callable | None] = None
+    pipeline_class: ClassVar[str]  # the diffusers pipeline around the transformer
+    flow_shift: ClassVar[float | None] = None  # flow matching with this scheduler shift; None: ε-prediction
+    video: ClassVar[bool] = False  # latents (C, F, H, W) rather than (C, H, W)
+    max_prompt_length: ClassVar[int] = 300  # the pipeline's longest prompt, in tokens
 
     @property
     def model_class(self) -> type:
@@ -172,7 +190,8 @@ class DiffusersAdapter(FamilyAdapter):
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         block = getattr(model, self.blocks_attr)[index]
         self.check_host(block.attn1, f"{self.blocks_attr}.{index}.attn1")
-        layer = DiffusersMHLA.from_host(block.attn1, config, qk_norm=self.qk_norm, clip_fp16=self.clip_fp16)
+        layer = DiffusersMHLA.from_host(block.attn1, config, qk_norm=self.qk_norm, clip_fp16=self.clip_fp16,
+                                        rotary=self.rotary)
         self.prepare(model)
         layer.token_grid = getattr(model, GRID_ATTR)
         block.attn1 = layer
@@ -197,3 +216,144 @@ class DiffusersAdapter(FamilyAdapter):
 
     def model_config(self, model: nn.Module) -> dict[str, Any]:
         return json.loads(model.to_json_string())
+
+    # --- training --------------------------------------------------------------------------
+    def denoise(self, model: nn.Module, noisy: torch.Tensor, timestep: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The transformer's prediction for noisy latents at `timestep`, conditioned on `batch`."""
+        raise self._missing("denoise")
+
+    def objective(self, spec):
+        from ..train.objectives import EpsPrediction, FlowMatching
+
+        if self.flow_shift is None:
+            return EpsPrediction(self.denoise, spec)
+        return FlowMatching(self.denoise, spec, spec.flow_shift or self.flow_shift)
+
+    def latent_channels(self, model: nn.Module) -> int:
+        """Channels of the VAE latents the transformer denoises."""
+        return model.config.in_channels
+
+    def text_width(self, model: nn.Module) -> int | None:
+        """Width of the text embeddings the transformer takes; None for a model without text."""
+        return model.config.caption_channels
+
+    def _latent_shape(self, model: nn.Module, spec) -> tuple[int, ...]:
+        size = model.config.get("sample_size") or 8  # Wan's config has none
+        hw = tuple(spec.latent_size) if spec.latent_size else (size, size)
+        return (spec.latent_frames, *hw) if self.video else hw
+
+    def synthetic_data(self, model: nn.Module, spec, seed: int) -> dict[str, torch.Tensor]:
+        """Smooth latents that depend on one of 8 conditions (so conditioning is learnable), plus the
+        conditions themselves (`synthetic_conditions`)."""
+        g = torch.Generator().manual_seed(seed)
+        n = spec.num_samples
+        shape = (self.latent_channels(model), *self._latent_shape(model, spec))
+        num_conditions = 8
+        cond = torch.randint(0, num_conditions, (n,), generator=g)
+        low = torch.randn(num_conditions, shape[0], *(max(1, s // 4) for s in shape[1:]), generator=g)
+        mode = "trilinear" if self.video else "bilinear"
+        patterns = torch.nn.functional.interpolate(low, size=shape[1:], mode=mode, align_corners=False)
+        latents = patterns[cond] + 0.1 * torch.randn(n, *shape, generator=g)
+        return {"latents": latents, **self.synthetic_conditions(model, latents, cond, num_conditions, g)}
+
+    def synthetic_conditions(self, model: nn.Module, latents: torch.Tensor, cond: torch.Tensor, num_conditions: int,
+                             generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The condition columns of synthetic data: one random 8-token prompt embedding per condition."""
+        tokens = 8
+        table = torch.randn(num_conditions, tokens, self.text_width(model), generator=generator)
+        return {"prompt_embeds": table[cond], "prompt_attention_mask": torch.ones(len(cond), tokens, dtype=torch.long)}
+
+    # --- pipeline components ---------------------------------------------------------------
+    def pipeline_name(self, transformer: nn.Module) -> str:
+        return self.pipeline_class
+
+    def tiny_components(self, transformer: nn.Module) -> dict[str, Any]:
+        from ..train.components import char_tokenizer
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            parts = {"vae": self.tiny_vae(self.latent_channels(transformer)).eval(), "scheduler": self.tiny_scheduler()}
+            width = self.text_width(transformer)
+            if width is not None:
+                parts.update(text_encoder=self.tiny_text_encoder(width).eval(), tokenizer=char_tokenizer())
+            parts.update(self.tiny_extra_components(transformer))
+        return parts
+
+    def tiny_vae(self, latent_channels: int) -> nn.Module:
+        from diffusers import AutoencoderKL
+
+        return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8, 8),
+                             down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             norm_num_groups=4, layers_per_block=1)
+
+    def tiny_text_encoder(self, width: int) -> nn.Module:
+        from transformers import T5EncoderModel
+
+        return T5EncoderModel(tiny_t5_config(width))
+
+    def tiny_scheduler(self):
+        from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+
+        return DDIMScheduler() if self.flow_shift is None else FlowMatchEulerDiscreteScheduler(shift=self.flow_shift)
+
+    def tiny_extra_components(self, transformer: nn.Module) -> dict[str, Any]:
+        """Further tiny parts some variants need (built after the others, under the same seed)."""
+        return {}
+
+    # --- encoding image / video folders ----------------------------------------------------
+    def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        pixels = pixels.to(vae.device, vae.dtype)
+        return vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor
+
+    def encode_text(self, pipe, captions: list[str], max_length: int) -> dict[str, torch.Tensor]:
+        """The pipeline's own `encode_prompt` of `captions` (embeddings and attention mask)."""
+        embeds, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                                max_sequence_length=max_length, device=pipe.device)
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def prompt_length(self, transformer: nn.Module, spec) -> int:
+        return min(spec.max_text_length, self.max_prompt_length)
+
+    def encode_conditions(self, pipe, transformer, rows, pixels, latents, spec) -> dict[str, torch.Tensor]:
+        from ..train.errors import TrainError
+
+        if any(spec.caption_column not in r for r in rows):
+            raise TrainError(f"every metadata.jsonl line needs a caption under \"{spec.caption_column}\" "
+                             "(or set data.caption_column)")
+        captions = [str(r[spec.caption_column]) for r in rows]
+        return self.encode_text(pipe, captions, self.prompt_length(transformer, spec))
+
+    # --- sampling --------------------------------------------------------------------------
+    def sampling_pipeline(self, model: nn.Module, base: str | None, *, device: str, seed: int, steps: int,
+                          guidance_scale: float | None):
+        """The pipeline around `model` on `device`, and the call's common keyword arguments."""
+        from ..train.components import pipeline
+
+        pipe = pipeline(self.name, model, base).to(device)
+        pipe.set_progress_bar_config(disable=True)
+        kwargs = {"num_inference_steps": steps, "generator": torch.Generator(device).manual_seed(seed)}
+        if guidance_scale is not None:
+            kwargs["guidance_scale"] = guidance_scale
+        return pipe, kwargs
+
+    def sample(self, model, base, prompt, *, device, seed=0, steps=20, guidance_scale=None, height=None, width=None,
+               **options):
+        """Text to image; tiny models at their own size (the pipelines default to their real
+        resolutions, and want multiples of 32)."""
+        from ..train.components import is_tiny
+
+        pipe, kwargs = self.sampling_pipeline(model, base, device=device, seed=seed, steps=steps,
+                                              guidance_scale=guidance_scale)
+        if is_tiny(base):
+            native = -(-model.config.sample_size * pipe.vae_scale_factor // 32) * 32
+            height, width = height or native, width or native
+        size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
+        return pipe(prompt=prompt, use_resolution_binning=not is_tiny(base), **size, **kwargs).images[0]
+
+
+def tiny_t5_config(width: int):
+    """A one-layer T5 encoder config over the 98-character tokenizer (`char_tokenizer`)."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=TINY_VOCAB, d_model=width, d_kv=8, d_ff=2 * width, num_layers=1, num_heads=2,
+                    pad_token_id=0)

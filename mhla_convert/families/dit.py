@@ -1,5 +1,6 @@
-"""DiT (class-conditional): `BasicTransformerBlock.attn1`, plain SDPA attention; everything it
-needs is in DiffusersAdapter. Note diffusers' DiT unpatchify assumes a square token grid."""
+"""DiT (class-conditional): `BasicTransformerBlock.attn1`, plain SDPA attention; conversion needs
+nothing beyond DiffusersAdapter. Training and sampling condition on class labels instead of text.
+Note diffusers' DiT unpatchify assumes a square token grid."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class DiTAdapter(DiffusersAdapter):
     name = "dit"
     model_classes = ("DiTTransformer2DModel",)
     aliases = {"dit-xl-2-256": "facebook/DiT-XL-2-256", "dit-xl-2-512": "facebook/DiT-XL-2-512"}
+    pipeline_class = "DiTPipeline"
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         inputs = super().example_inputs(model, grid, batch_size)
@@ -27,3 +29,32 @@ class DiTAdapter(DiffusersAdapter):
             num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=6,
             sample_size=16, patch_size=2, num_embeds_ada_norm=10,
         )
+
+    def denoise(self, model, noisy, timestep, batch):
+        return model(noisy, timestep=timestep, class_labels=batch["class_labels"]).sample
+
+    def text_width(self, model) -> None:
+        return None
+
+    def synthetic_conditions(self, model, latents, cond, num_conditions, generator) -> dict[str, torch.Tensor]:
+        classes = model.config.get("num_embeds_ada_norm") or 1000
+        return {"class_labels": cond % classes}
+
+    def encode_conditions(self, pipe, transformer, rows, pixels, latents, spec) -> dict[str, torch.Tensor]:
+        from ..train.errors import TrainError
+
+        if any(spec.label_column not in r for r in rows):
+            raise TrainError(f"DiT needs a class label per image: add \"{spec.label_column}\" to every metadata.jsonl "
+                             "line (or set data.label_column)")
+        return {"class_labels": torch.tensor([int(r[spec.label_column]) for r in rows])}
+
+    def sample(self, model, base, prompt, *, device, seed=0, steps=20, guidance_scale=None, class_label=0, **options):
+        from ..train.components import is_tiny
+
+        if guidance_scale is None and is_tiny(base):
+            guidance_scale = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer classes
+        pipe, kwargs = self.sampling_pipeline(model, base, device=device, seed=seed, steps=steps,
+                                              guidance_scale=guidance_scale)
+        if model.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
+            model.register_to_config(out_channels=model.out_channels)
+        return pipe(class_labels=[class_label], **kwargs).images[0]

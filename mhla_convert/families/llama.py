@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
-from ..lm_cache import mhla_cache_layer
+from .lm_cache import mhla_cache_layer
 from .base import FamilyAdapter, register
 
 
@@ -111,6 +111,7 @@ class LlamaAdapter(FamilyAdapter):
     model_classes = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
     aliases = HUB
     causal = True
+    sample_kind = "text"
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [layer.self_attn for layer in model.model.layers]
@@ -122,6 +123,12 @@ class LlamaAdapter(FamilyAdapter):
         # chunk 64 as the paper's LM; window 8: distinct weights for the last ~450 tokens, one shared
         # weight beyond, and a state of 8 chunk summaries (docs/language-models.md).
         return {"chunk_size": 64, "window": 8, "feature_map": "relu", "normalize": True, "mixing_init": "locality"}
+
+    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None,
+                       batch_size: int = 1) -> dict[str, Any]:
+        """Random token ids: `grid[0]` tokens (default 64) per sequence."""
+        length = grid[0] if grid else 64
+        return {"input_ids": torch.randint(0, model.config.vocab_size, (batch_size, length), device=model.device)}
 
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         layer = model.model.layers[index]
@@ -164,3 +171,26 @@ class LlamaAdapter(FamilyAdapter):
         # `architectures` is what adapter_for_config detects the family from; a model built from a
         # config (not from_pretrained) lacks it.
         return {**model.config.to_dict(), "architectures": [type(model).__name__]}
+
+    # --- training and sampling -------------------------------------------------------------
+    def objective(self, spec):
+        from ..train.objectives import NextToken
+
+        return NextToken()
+
+    def synthetic_data(self, model: nn.Module, spec, seed: int) -> dict[str, torch.Tensor]:
+        """Token sequences following arithmetic patterns: start + step · position (mod vocab)."""
+        g = torch.Generator().manual_seed(seed)
+        n, vocab, length = spec.num_samples, model.config.vocab_size, spec.context_length
+        start = torch.randint(0, vocab, (n, 1), generator=g)
+        step = torch.randint(1, 4, (n, 1), generator=g)
+        return {"input_ids": (start + step * torch.arange(length)) % vocab}
+
+    def sample(self, model, base, prompt, *, device, max_new_tokens=32, **options) -> str:
+        """Greedy `generate` from the prompt with the base model's tokenizer."""
+        from ..train.components import tokenizer
+
+        tok = tokenizer(base)
+        ids = tok(prompt, return_tensors="pt").to(device)
+        generated = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        return tok.decode(generated[0], skip_special_tokens=True)

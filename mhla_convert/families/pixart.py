@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .base import register
 from .diffusers_base import DiffusersAdapter
 
@@ -18,6 +20,8 @@ class PixArtAdapter(DiffusersAdapter):
         "pixart-sigma-512": "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
         "pixart-sigma-1024": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
     }
+    pipeline_class = "PixArtAlphaPipeline"
+    max_prompt_length = 120
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         caption = self._text(model, batch_size, 8, model.config.caption_channels)
@@ -29,3 +33,16 @@ class PixArtAdapter(DiffusersAdapter):
             num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=6,
             cross_attention_dim=16, caption_channels=12, sample_size=16, patch_size=2,
         )
+
+    def denoise(self, model, noisy, timestep, batch):
+        base = getattr(model, "module", model)
+        added = {"resolution": None, "aspect_ratio": None}
+        if getattr(base, "use_additional_conditions", False):
+            b, _, h, w = noisy.shape
+            scale = 8  # VAE downsampling: the pipeline passes pixel sizes
+            like = {"device": noisy.device, "dtype": noisy.dtype}
+            added = {"resolution": torch.tensor([[h * scale, w * scale]], **like).expand(b, 2),
+                     "aspect_ratio": torch.full((b, 1), h / w, **like)}
+        return model(noisy, encoder_hidden_states=batch["prompt_embeds"],
+                     encoder_attention_mask=batch["prompt_attention_mask"], timestep=timestep,
+                     added_cond_kwargs=added).sample

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import register
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import TINY_VOCAB, DiffusersAdapter
 
 
 @register
@@ -20,6 +20,9 @@ class SanaAdapter(DiffusersAdapter):
     }
     qk_norm = "across_heads"  # SanaLinearAttnProcessor2_0 norms (B, N, C), before splitting heads
     clip_fp16 = True
+    pipeline_class = "SanaPipeline"
+    flow_shift = 3.0
+    max_prompt_length = 300
 
     def default_options(self, model) -> dict[str, Any]:
         return {"eps": 1e-15, "scale": 1.0}  # SanaLinearAttnProcessor2_0: no 1/sqrt(d), eps 1e-15
@@ -34,3 +37,30 @@ class SanaAdapter(DiffusersAdapter):
             num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
             caption_channels=12, sample_size=8, patch_size=1,
         )
+
+    def denoise(self, model, noisy, timestep, batch):
+        return model(noisy, encoder_hidden_states=batch["prompt_embeds"],
+                     encoder_attention_mask=batch["prompt_attention_mask"], timestep=timestep).sample
+
+    def tiny_vae(self, latent_channels: int):
+        from diffusers import AutoencoderDC
+
+        # 2× (the real DC-AE is 32×)
+        return AutoencoderDC(in_channels=3, latent_channels=latent_channels, attention_head_dim=4,
+                             encoder_block_types=("ResBlock", "ResBlock"), decoder_block_types=("ResBlock", "ResBlock"),
+                             encoder_block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+                             encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+                             encoder_qkv_multiscales=((), ()), decoder_qkv_multiscales=((), ()),
+                             decoder_norm_types="rms_norm", decoder_act_fns="silu", upsample_block_type="interpolate",
+                             downsample_block_type="Conv", scaling_factor=0.41)
+
+    def tiny_text_encoder(self, width: int):
+        from transformers import Gemma2Config, Gemma2Model
+
+        return Gemma2Model(Gemma2Config(vocab_size=TINY_VOCAB, hidden_size=width, intermediate_size=2 * width,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                        pad_token_id=0))
+
+    def encode_latents(self, vae, pixels):
+        pixels = pixels.to(vae.device, vae.dtype)
+        return vae.encode(pixels).latent * vae.config.scaling_factor

@@ -94,11 +94,6 @@ class BlockLayout:
             ids = ids + (torch.arange(length, device=device) // s).view(shape) * stride
         return ids.reshape(-1)
 
-    def block_centres(self) -> torch.Tensor:
-        """Block-grid coordinates of every block, shape (M, ndim), in block units."""
-        axes = [torch.arange(b, dtype=torch.float64) for b in self.blocks]
-        return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(self.blocks))
-
     # (B, N, H, D) <-> (B, H, M, T, D)
     def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """Gather tokens block by block: (B, N, H, D) → (B, H, M, T, D), zero-padded."""
@@ -131,11 +126,6 @@ class BlockLayout:
         if self.needs_padding:
             x = x[(slice(None), *(slice(0, length) for length in self.grid))]
         return x.reshape(batch, self.num_tokens, heads, dim)
-
-    def token_mask(self, device=None) -> torch.Tensor:
-        """(M, T) bool: which padded slots hold real tokens."""
-        ones = torch.ones(1, self.num_tokens, 1, 1, device=device)
-        return self.to_blocks(ones)[0, 0, :, :, 0].bool()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
+from ..placement import parse_dtype
 from .errors import TrainError
 from .recipe import Recipe
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class Built:
     model: nn.Module
-    adapter: object
-    family: str
+    adapter: object  # the model's FamilyAdapter
     converted: list[int]
     teachers: list[nn.Module] = field(default_factory=list)  # originals of the converted layers
     report: object = None
@@ -34,7 +31,7 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
 
-    spec, dtype = recipe.model, DTYPES[recipe.model.dtype]
+    spec, dtype = recipe.model, parse_dtype(recipe.model.dtype)
     try:
         if spec.checkpoint:
             from .. import from_pretrained
@@ -52,7 +49,7 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
         raise TrainError(f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} model: use a {spec.family} model or a {adapter.name} recipe")
     if spec.checkpoint:
         plan = getattr(model, PLAN_ATTR, None) or {}
-        return Built(model, adapter, adapter.name, list(plan.get("layers", [])))
+        return Built(model, adapter, list(plan.get("layers", [])))
     needs_teachers = teachers and any(s.name == "attention_transfer" for s in recipe.stages)
     originals = snapshot_attention(adapter, model) if needs_teachers else []
     c = recipe.conversion
@@ -61,4 +58,4 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
     kept = [originals[i] for i in report.converted] if originals else []
-    return Built(model, adapter, adapter.name, list(report.converted), kept, report)
+    return Built(model, adapter, list(report.converted), kept, report)

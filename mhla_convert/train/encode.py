@@ -15,19 +15,19 @@ import numpy as np
 import torch
 
 from .. import __version__
-from .components import MAX_TEXT, is_i2v, pipeline, tokenizer
-from .data import WAN_TEXT_TOKENS, i2v_condition, load_shards, save_shards
+from .components import pipeline, tokenizer
 from .errors import TrainError
 from .recipe import DataSpec
+from .shards import load_shards, save_shards
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov", ".avi", ".mkv", ".gif"}
 
 
-def _cache_key(spec: DataSpec, family: str, components: str | None, files: list[Path]) -> str:
+def _cache_key(spec: DataSpec, task: str, components: str | None, files: list[Path]) -> str:
     h = hashlib.sha256()
     fields = {k: getattr(spec, k) for k in ("kind", "height", "width", "num_frames", "caption_column", "label_column",
                                             "max_text_length", "text_column", "text_format", "context_length")}
-    h.update(json.dumps([family, components, __version__, fields], sort_keys=True, default=str).encode())
+    h.update(json.dumps([task, components, __version__, fields], sort_keys=True, default=str).encode())
     for f in files:
         stat = f.stat()
         h.update(f"{f}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -86,73 +86,23 @@ def _read(path: Path, spec: DataSpec, video: bool) -> torch.Tensor:
     return torch.stack(frames, dim=1)  # C, F, H, W
 
 
-def _vae_encode(family: str, vae, pixels: torch.Tensor) -> torch.Tensor:
-    pixels = pixels.to(vae.device, vae.dtype)
-    if family == "wan":
-        z = vae.encode(pixels).latent_dist.mode()
-        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
-        return (z - mean) * inv_std
-    if family == "sana":
-        return vae.encode(pixels).latent * vae.config.scaling_factor
-    return vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor
-
-
-def _encode_text(family: str, pipe, captions: list[str], max_length: int) -> dict[str, torch.Tensor]:
-    if family == "wan":
-        embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=max_length, device=pipe.device)
-        return {"prompt_embeds": embeds}
-    embeds, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=max_length, device=pipe.device)
-    return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-
-
 @torch.no_grad()
-def encode_folder(spec: DataSpec, family: str, transformer, components: str | None) -> dict[str, torch.Tensor]:
+def encode_folder(spec: DataSpec, adapter, transformer, components: str | None) -> dict[str, torch.Tensor]:
+    """Every file of the folder through the family's VAE (`FamilyAdapter.encode_latents`), with its
+    conditioning (`encode_conditions`: text embeddings, class labels, ...)."""
     root = Path(spec.path)
     rows = _metadata(root)
-    pipe = pipeline(family, transformer, components)
-    if family == "wan" and (spec.num_frames - 1) % 4:
-        raise TrainError(f"data.num_frames must be 4k+1 for Wan's VAE (e.g. 17, 33, 81); got {spec.num_frames}")
-    i2v = family == "wan" and is_i2v(transformer)
-    # the I2V attention splits image from text tokens at exactly 512, so I2V text is always that long
-    max_length = WAN_TEXT_TOKENS if i2v else min(spec.max_text_length, MAX_TEXT.get(family, spec.max_text_length))
+    pipe = pipeline(adapter.name, transformer, components)
+    adapter.check_folder_spec(spec)
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(rows), spec.encode_batch_size):
         chunk = rows[start : start + spec.encode_batch_size]
-        pixels = torch.stack([_read(root / r["file_name"], spec, video=family == "wan") for r in chunk])
-        columns = {"latents": _vae_encode(family, pipe.vae, pixels)}
-        if i2v:
-            columns.update(image_condition(pipe, pixels, columns["latents"]))
-        if family == "dit":
-            if any(spec.label_column not in r for r in chunk):
-                raise TrainError(f"DiT needs a class label per image: add \"{spec.label_column}\" to every metadata.jsonl line (or set data.label_column)")
-            columns["class_labels"] = torch.tensor([int(r[spec.label_column]) for r in chunk])
-        else:
-            if any(spec.caption_column not in r for r in chunk):
-                raise TrainError(f"every metadata.jsonl line needs a caption under \"{spec.caption_column}\" (or set data.caption_column)")
-            columns.update(_encode_text(family, pipe, [str(r[spec.caption_column]) for r in chunk], max_length))
+        pixels = torch.stack([_read(root / r["file_name"], spec, video=adapter.video) for r in chunk])
+        columns = {"latents": adapter.encode_latents(pipe.vae, pixels)}
+        columns.update(adapter.encode_conditions(pipe, transformer, chunk, pixels, columns["latents"], spec))
         for k, v in columns.items():
             out.setdefault(k, []).append((v.float() if v.is_floating_point() else v).cpu())
     return {k: _pad_cat(v) for k, v in out.items()}
-
-
-def _to_image(frame: torch.Tensor):
-    """CHW in [-1, 1] → the RGB picture it was read from."""
-    from PIL import Image
-
-    return Image.fromarray(((frame.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).cpu().numpy())
-
-
-def image_condition(pipe, pixels: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What WanImageToVideoPipeline derives from a video's first frame: `prepare_latents`' condition
-    (mask ⊕ the normalised VAE latents of the first frame followed by zero frames; the VAE sees the
-    padded clip, as in sampling) and `encode_image`'s CLIP embeddings of the frame as a picture."""
-    padded = torch.cat([pixels[:, :, :1], torch.zeros_like(pixels[:, :, 1:])], dim=2)
-    first = _vae_encode("wan", pipe.vae, padded).to(latents)
-    columns = i2v_condition(latents, pipe.vae_scale_factor_temporal, first)
-    if pipe.transformer.config.image_dim is not None:  # Wan2.1 I2V; later I2V models take no image tokens
-        columns["image_embeds"] = pipe.encode_image([_to_image(f) for f in pixels[:, :, 0]], pipe.device)
-    return columns
 
 
 def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -163,12 +113,11 @@ def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def cached_folder(spec: DataSpec, family: str, transformer, components: str | None) -> dict[str, torch.Tensor]:
+def cached_folder(spec: DataSpec, adapter, transformer, components: str | None) -> dict[str, torch.Tensor]:
     root = Path(spec.path)
     files = [root / "metadata.jsonl", *(root / r["file_name"] for r in _metadata(root))]
-    task = "wan-i2v" if family == "wan" and is_i2v(transformer) else family  # same folder, different tensors
-    key = _cache_key(spec, task, components, files)
-    return _cached(spec, key, lambda: encode_folder(spec, family, transformer, components))
+    key = _cache_key(spec, adapter.cache_name(transformer), components, files)
+    return _cached(spec, key, lambda: encode_folder(spec, adapter, transformer, components))
 
 
 # --- text corpora --------------------------------------------------------------------------------
@@ -206,6 +155,7 @@ def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.
     return {"input_ids": torch.tensor(stream[: n * spec.context_length]).view(n, spec.context_length)}
 
 
-def cached_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.Tensor]:
+def cached_text(spec: DataSpec, adapter, model, components: str | None) -> dict[str, torch.Tensor]:
     files = _text_files(Path(spec.path))
-    return _cached(spec, _cache_key(spec, "llama", components, files), lambda: pack_text(spec, model, components))
+    key = _cache_key(spec, adapter.cache_name(model), components, files)
+    return _cached(spec, key, lambda: pack_text(spec, model, components))

@@ -1,4 +1,5 @@
-"""Each family's own training objective, and how its transformer is called on a batch.
+"""The training objectives; each family adapter picks one (`FamilyAdapter.objective`) and supplies
+how its model is called on a batch.
 
 flow matching (SANA, Wan): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, σ and t from the family's
     `FlowMatchEulerDiscreteScheduler` with its flow shift;
@@ -11,7 +12,7 @@ Randomness comes from a generator the trainer seeds per step, so a resumed run d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,39 +20,13 @@ from torch import nn
 
 from .recipe import ObjectiveSpec
 
-FLOW_SHIFT = {"wan": 3.0, "sana": 3.0}
+
+class Objective(Protocol):
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor: ...
 
 
-def _dit(model, x, t, batch):
-    return model(x, timestep=t, class_labels=batch["class_labels"]).sample
-
-
-def _pixart(model, x, t, batch):
-    base = getattr(model, "module", model)
-    added = {"resolution": None, "aspect_ratio": None}
-    if getattr(base, "use_additional_conditions", False):
-        b, _, h, w = x.shape
-        scale = 8  # VAE downsampling: the pipeline passes pixel sizes
-        added = {"resolution": torch.tensor([[h * scale, w * scale]], device=x.device, dtype=x.dtype).expand(b, 2),
-                 "aspect_ratio": torch.full((b, 1), h / w, device=x.device, dtype=x.dtype)}
-    return model(x, encoder_hidden_states=batch["prompt_embeds"], encoder_attention_mask=batch["prompt_attention_mask"],
-                 timestep=t, added_cond_kwargs=added).sample
-
-
-def _sana(model, x, t, batch):
-    return model(x, encoder_hidden_states=batch["prompt_embeds"], encoder_attention_mask=batch["prompt_attention_mask"], timestep=t).sample
-
-
-def _wan(model, x, t, batch):
-    """T2V: the noisy latents. I2V (as WanImageToVideoPipeline): the noisy latents ⊕ the condition
-    (4 first-frame mask channels ⊕ the VAE latents of the first frame padded with zero frames), and
-    the CLIP image embeddings when the model has an image projection."""
-    extra = {}
-    if "condition" in batch:
-        x = torch.cat([x, batch["condition"]], dim=1)
-    if "image_embeds" in batch:
-        extra["encoder_hidden_states_image"] = batch["image_embeds"]
-    return model(x, timestep=t, encoder_hidden_states=batch["prompt_embeds"], **extra).sample
+# call(model, noisy latents, timesteps, batch) → the model's prediction (B, C', ...)
+DenoiserCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict], torch.Tensor]
 
 
 def _sample_indices(spec: ObjectiveSpec, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -64,7 +39,7 @@ def _sample_indices(spec: ObjectiveSpec, n: int, generator: torch.Generator) -> 
 
 @dataclass
 class FlowMatching:
-    call: Callable
+    call: DenoiserCall
     spec: ObjectiveSpec
     shift: float
 
@@ -86,7 +61,7 @@ class FlowMatching:
 
 @dataclass
 class EpsPrediction:
-    call: Callable
+    call: DenoiserCall
     spec: ObjectiveSpec
 
     def __post_init__(self):
@@ -110,13 +85,3 @@ class NextToken:
     def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
         ids = batch["input_ids"]
         return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
-def objective_for(family: str, spec: ObjectiveSpec):
-    if family in ("sana", "wan"):
-        return FlowMatching({"sana": _sana, "wan": _wan}[family], spec, spec.flow_shift or FLOW_SHIFT[family])
-    if family in ("dit", "pixart"):
-        return EpsPrediction({"dit": _dit, "pixart": _pixart}[family], spec)
-    if family == "llama":
-        return NextToken()
-    raise ValueError(f"no training objective for family {family!r}")

@@ -18,7 +18,6 @@ import yaml
 from .errors import RecipeError
 from .yaml_lines import Located, LocatedList, load
 
-Family = Literal["sana", "wan", "dit", "pixart", "llama"]
 TRACKERS = ("tensorboard", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive")
 
 
@@ -28,7 +27,7 @@ class ModelSpec:
 
     name: str | None = None
     checkpoint: str | None = None
-    family: Family | None = None  # a guard: refuse a model of another family
+    family: str | None = None  # a guard: refuse a model of another family (a registered family name)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -276,9 +275,14 @@ def _line(data, *path):
 
 
 def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
+    from ..families import families
     from ..layer import MHLAConfig
 
     m = recipe.model
+    if m.family is not None and m.family not in families():
+        allowed = ", ".join(repr(name) for name in sorted(families()))
+        where = _line(raw, "model", "family")
+        raise ctx.fail("model.family", where, f"unknown family {m.family!r}; allowed: {allowed}")
     if (m.name is None) == (m.checkpoint is None):
         raise ctx.fail("model", _line(raw, "model"), "give exactly one of model.name (a base model to convert) or model.checkpoint (an MHLA checkpoint)")
     if m.checkpoint and recipe.conversion is not None:

@@ -1,7 +1,7 @@
-"""`mhla-convert sample`: the family's diffusers pipeline around a converted transformer (PNG, or
-MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a first frame for I2V models), or
-`generate` for LMs. The other components come from the base model recorded in mhla_config.json, or
-are the tiny in-process ones for built-in tiny models."""
+"""`mhla-convert sample`: the family's own sampling (`FamilyAdapter.sample`): its diffusers pipeline
+around a converted transformer (PNG, or MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a
+first frame for I2V models), or `generate` for LMs. The other components come from the base model
+recorded in mhla_config.json, or are the tiny in-process ones for built-in tiny models."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .components import is_i2v, is_tiny, pipeline, tokenizer
+from ..families import adapter_for_family
 from .errors import TrainError
-
-TINY_VIDEO = dict(height=64, width=64, num_frames=5)
 
 
 def _load(checkpoint: Path, device):
@@ -34,42 +32,19 @@ def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 2
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta, model = _load(Path(checkpoint), device)
-    family, base = meta["family"], meta.get("base_model")
-    first_frame = _first_frame(image, i2v=family == "wan" and is_i2v(model))
+    adapter = adapter_for_family(meta["family"])
+    first_frame = _first_frame(image, i2v=adapter.takes_first_frame(model))
     out.parent.mkdir(parents=True, exist_ok=True)
-    if family == "llama":
-        tok = tokenizer(base)
-        ids = tok(prompt, return_tensors="pt").to(device)
-        generated = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(generated[0], skip_special_tokens=True)
-        out.write_text(text + "\n")
-        print(text)
+    result = adapter.sample(model, meta.get("base_model"), prompt, device=device, seed=seed, steps=steps,
+                            guidance_scale=guidance_scale, class_label=class_label, height=height, width=width,
+                            num_frames=num_frames, max_new_tokens=max_new_tokens, image=first_frame)
+    if adapter.sample_kind == "text":
+        out.write_text(result + "\n")
+        print(result)
         return out
-    pipe = pipeline(family, model, base).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    kwargs = {"num_inference_steps": steps, "generator": torch.Generator(device).manual_seed(seed)}
-    if guidance_scale is None and family == "dit" and is_tiny(base):
-        guidance_scale = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer classes
-    if guidance_scale is not None:
-        kwargs["guidance_scale"] = guidance_scale
-    if family == "dit":
-        if model.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
-            model.register_to_config(out_channels=model.out_channels)
-        image = pipe(class_labels=[class_label], **kwargs).images[0]
-    elif family == "wan":
-        size = TINY_VIDEO if is_tiny(base) else {}
-        size = {**size, **{k: v for k, v in (("height", height), ("width", width), ("num_frames", num_frames)) if v is not None}}
-        if first_frame is not None:
-            kwargs["image"] = first_frame
-        frames = pipe(prompt=prompt, output_type="np", **size, **kwargs).frames[0]
-        return _write_video(frames, out)
-    else:
-        if is_tiny(base):  # the pipelines default to their real resolutions (and want multiples of 32)
-            native = -(-model.config.sample_size * pipe.vae_scale_factor // 32) * 32
-            height, width = height or native, width or native
-        size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
-        image = pipe(prompt=prompt, use_resolution_binning=not is_tiny(base), **size, **kwargs).images[0]
-    image.save(out if out.suffix else out.with_suffix(".png"))
+    if adapter.sample_kind == "video":
+        return _write_video(result, out)
+    result.save(out if out.suffix else out.with_suffix(".png"))
     return out
 
 

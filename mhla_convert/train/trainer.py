@@ -21,13 +21,12 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..mixing import clamp_mixing_
-from ..models import SOURCE_ATTR
+from ..locations import SOURCE_ATTR
 from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
 from .errors import TrainError
 from .metrics import MetricsFile
-from .objectives import objective_for
 from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
@@ -119,10 +118,11 @@ class Trainer:
         model = self.built.model
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
-        self.objective = objective_for(self.built.family, recipe.objective)
+        self.objective = self.built.adapter.objective(recipe.objective)
         base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
         with acc.main_process_first():  # one process encodes, the others read its cache
-            self.dataset = build_dataset(recipe.data, self.built.family, model, seed=recipe.seed, components=recipe.data.components or base)
+            self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
+                                         components=recipe.data.components or base)
         self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
         self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
@@ -146,7 +146,7 @@ class Trainer:
                 raise TrainError(str(exc)) from None
         else:
             with self.accelerator.main_process_first():
-                held = heldout_dataset(self.recipe, self.built.family, model, components)
+                held = heldout_dataset(self.recipe, self.built.adapter, model, components)
             if set(held.columns) != set(self.dataset.columns):
                 raise TrainError(f"validation.path {v.path} holds {sorted(held.columns)} but the training data holds "
                                  f"{sorted(self.dataset.columns)}: give held-out data of the same kind as data")

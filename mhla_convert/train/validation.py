@@ -34,10 +34,10 @@ def split_off(dataset: TensorData, fraction: float, seed: int) -> tuple[TensorDa
     return take(order[held:].sort().values), take(order[:held].sort().values)
 
 
-def heldout_dataset(recipe: Recipe, family: str, model, components: str | None) -> TensorData:
+def heldout_dataset(recipe: Recipe, adapter, model, components: str | None) -> TensorData:
     """The held-out examples of `validation.path`, read (and cached) like the training data."""
     spec = replace(recipe.data, path=recipe.validation.path, cache_dir=None)
-    return build_dataset(spec, family, model, seed=recipe.seed, components=components)
+    return build_dataset(spec, adapter, model, seed=recipe.seed, components=components)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
-from .ops import MHLAState
+from ..ops import MHLAState
 
 
 class MHLACacheLayer(DynamicLayer):
