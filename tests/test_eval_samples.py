@@ -1,0 +1,78 @@
+"""Side-by-side samples of a model and its reference (`mhla-convert eval`): PSNR / SSIM against
+hand-computed values and a direct SSIM, and the sample grids of each diffusion family on tiny models."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mhla_convert.evaluate.image_metrics import K1, K2, gaussian_window, psnr, ssim
+
+
+def _images(seed, shape=(2, 3, 16, 16)):
+    return torch.rand(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _direct_ssim(x, y, size):
+    """SSIM of one (C, H, W) pair, window by window with explicit weighted sums."""
+    w = gaussian_window(size).numpy()
+    x, y = x.numpy(), y.numpy()
+    c1, c2 = K1**2, K2**2
+    values = []
+    for ch in range(x.shape[0]):
+        for i in range(x.shape[1] - size + 1):
+            for j in range(x.shape[2] - size + 1):
+                a, b = x[ch, i:i + size, j:j + size], y[ch, i:i + size, j:j + size]
+                ma, mb = (w * a).sum(), (w * b).sum()
+                va, vb = (w * (a - ma) ** 2).sum(), (w * (b - mb) ** 2).sum()
+                cov = (w * (a - ma) * (b - mb)).sum()
+                values.append((2 * ma * mb + c1) * (2 * cov + c2) / ((ma**2 + mb**2 + c1) * (va + vb + c2)))
+    return float(np.mean(values))
+
+
+def test_identical_images_give_infinite_psnr_and_ssim_one():
+    x = _images(0)
+    assert torch.isinf(psnr(x, x)).all() and (psnr(x, x) > 0).all()
+    assert torch.allclose(ssim(x, x), torch.ones(2, dtype=torch.float64))
+
+
+def test_psnr_of_a_known_mse():
+    x = torch.zeros(1, 3, 8, 8)
+    assert psnr(x, x + 0.1).item() == pytest.approx(20.0)  # mse 0.01
+    assert psnr(x, x + 0.5).item() == pytest.approx(10 * math.log10(4))
+
+
+def test_ssim_of_constant_images_is_the_luminance_term():
+    x = torch.zeros(1, 3, 12, 12)
+    c1 = K1**2
+    assert ssim(x, x + 0.2).item() == pytest.approx(c1 / (0.2**2 + c1))
+
+
+@pytest.mark.parametrize("shape, size", [((2, 3, 16, 16), 11), ((1, 3, 6, 9), 6)])
+def test_ssim_matches_a_direct_implementation(shape, size):
+    x, y = _images(1, shape), _images(2, shape)
+    y = 0.6 * x + 0.4 * y  # correlated, so SSIM is far from 0
+    got = ssim(x, y)
+    for n in range(shape[0]):
+        assert got[n].item() == pytest.approx(_direct_ssim(x[n], y[n], size), abs=1e-12)
+
+
+def test_metrics_are_symmetric_and_ssim_in_range():
+    x, y = _images(3), _images(4)
+    assert torch.equal(psnr(x, y), psnr(y, x))
+    assert torch.allclose(ssim(x, y), ssim(y, x), atol=1e-15)
+    anti = ssim(x, 1 - x)
+    assert (anti < 0).all() and (anti >= -1).all() and (ssim(x, y) <= 1).all()
+
+
+def test_video_ssim_averages_over_frames():
+    x, y = _images(5, (2, 3, 3, 12, 12)), _images(6, (2, 3, 3, 12, 12))
+    per_frame = torch.stack([ssim(x[:, f], y[:, f]) for f in range(3)], 1)
+    assert torch.allclose(ssim(x, y), per_frame.mean(1))
+    assert psnr(x, y).shape == (2,)
+
+
+def test_mismatched_shapes_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="one shape"):
+        psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 9))
