@@ -1,9 +1,12 @@
-"""PSNR and SSIM between two batches of images or videos with values in [0, 1], in float64.
+"""PSNR and SSIM between two batches of images or videos with values in [0, 1], in float64; and,
+when torchmetrics and local weights are there, FID and CLIP score.
 
-Shapes: (N, C, H, W) for images, (N, F, C, H, W) for videos. Both functions return one value per
+Shapes: (N, C, H, W) for images, (N, F, C, H, W) for videos. PSNR and SSIM return one value per
 sample, shape (N,)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +64,62 @@ def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Ten
     ssim_map = ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x.square() + mu_y.square() + c1) * (var_x + var_y + c2))
     per_image = ssim_map.flatten(1).mean(1)
     return per_image.reshape(lead[0], -1).mean(1)
+
+
+# Optional learned metrics through torchmetrics, only from local weights: nothing is downloaded.
+
+def _torchmetrics(what: str, extra: str):
+    try:
+        import torchmetrics  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{what} needs torchmetrics: pip install 'torchmetrics[{extra}]'") from None
+
+
+def resolve_fid_weights(path: str | Path | None) -> Path | None:
+    """The local FID Inception weights file (pt_inception-2015-12-05-6726825d.pth), checked; None: no FID."""
+    if path is None:
+        return None
+    _torchmetrics("FID", "image")
+    if not Path(path).is_file():
+        raise ValueError(f"fid_weights {path} is not a file: pass the local FID Inception weights (pt_inception-2015-12-05-6726825d.pth)")
+    return Path(path)
+
+
+def resolve_clip_model(name_or_path: str | Path | None) -> str | None:
+    """A local CLIP model directory, or the cached snapshot of a hub id; None: no CLIP score."""
+    if name_or_path is None:
+        return None
+    _torchmetrics("CLIP score", "multimodal")
+    if Path(name_or_path).is_dir():
+        return str(name_or_path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(str(name_or_path), local_files_only=True)
+    except (OSError, ValueError):  # not in the cache, or not a repo id
+        raise ValueError(f"clip_model {name_or_path!r} is neither a local directory nor a model in the local Hugging Face cache") from None
+
+
+def fid(images: torch.Tensor, reference: torch.Tensor, weights: Path) -> float:
+    """Fréchet Inception distance of (N, 3, H, W) [0, 1] images to the reference images (N >= 2 each)."""
+    try:
+        from torchmetrics.image.fid import FrechetInceptionDistance
+
+        metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
+    except ImportError as exc:
+        raise ValueError(f"FID needs torchmetrics' image extras: pip install 'torchmetrics[image]' ({exc})") from None
+    metric.update(reference.float().cpu(), real=True)
+    metric.update(images.float().cpu(), real=False)
+    return metric.compute().item()
+
+
+def clip_score(images: torch.Tensor, prompts: list[str], model: str) -> float:
+    """torchmetrics' CLIP score (100 × cosine similarity) of (N, 3, H, W) [0, 1] images to their prompts."""
+    try:
+        from torchmetrics.multimodal.clip_score import CLIPScore
+
+        metric = CLIPScore(model_name_or_path=model)
+    except ImportError as exc:
+        raise ValueError(f"CLIP score needs torchmetrics' multimodal extras: pip install 'torchmetrics[multimodal]' ({exc})") from None
+    metric.update((images * 255).round().to(torch.uint8).cpu(), list(prompts))
+    return metric.compute().item()
