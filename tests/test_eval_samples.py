@@ -3,11 +3,15 @@ hand-computed values and a direct SSIM, and the sample grids of each diffusion f
 
 import math
 
+import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+import mhla_convert
 from mhla_convert.evaluate.image_metrics import K1, K2, gaussian_window, psnr, ssim
+from mhla_convert.evaluate.samples import LABEL_WIDTH, PAD, compare_samples
 
 
 def _images(seed, shape=(2, 3, 16, 16)):
@@ -76,3 +80,79 @@ def test_video_ssim_averages_over_frames():
 def test_mismatched_shapes_are_refused_in_one_line():
     with pytest.raises(ValueError, match="one shape"):
         psnr(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 9))
+
+
+# Sample grids of each diffusion family on tiny models (1 step, 1-2 samples).
+
+BLOCKS = {"wan": "1x2x2"}
+
+
+def _pair(family):
+    reference, model = mhla_convert.tiny_model(f"tiny-{family}"), mhla_convert.tiny_model(f"tiny-{family}")
+    mhla_convert.convert(model, ratio=1.0, blocks=BLOCKS.get(family))
+    return model, reference
+
+
+def _compare(model, reference, family, out_dir, num_samples=2, **kwargs):
+    return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, steps=1, device="cpu",
+                           **kwargs)
+
+
+def _grid_size(n, side):
+    return LABEL_WIDTH + PAD + n * (side + PAD), PAD + 2 * (side + PAD)
+
+
+@pytest.mark.parametrize("family", ["dit", "sana", "pixart", "wan"])
+def test_a_model_against_itself_matches_exactly(family, tmp_path):
+    reference = mhla_convert.tiny_model(f"tiny-{family}")
+    assert _compare(reference, reference, family, tmp_path, num_samples=1) == {"psnr": math.inf, "ssim": 1.0}
+
+
+@pytest.mark.parametrize("family, side", [("dit", 32), ("sana", 32), ("pixart", 32), ("wan", 64)])
+def test_converted_model_against_its_base(family, side, tmp_path):
+    metrics = _compare(*_pair(family), family, tmp_path)
+    assert set(metrics) == {"psnr", "ssim"}
+    assert math.isfinite(metrics["psnr"]) and metrics["psnr"] > 0 and -1 <= metrics["ssim"] < 1
+    assert Image.open(tmp_path / "samples.png").size == _grid_size(2, side)
+    if family == "wan":
+        reader = imageio.get_reader(tmp_path / "samples.mp4")
+        assert reader.count_frames() == 5 and tuple(reader.get_meta_data()["size"]) == _grid_size(2, side)
+
+
+def test_two_calls_give_identical_samples_and_metrics(tmp_path):
+    model, reference = _pair("dit")
+    first = _compare(model, reference, "dit", tmp_path / "a", class_labels=[3, 3])
+    second = _compare(model, reference, "dit", tmp_path / "b", class_labels=[3, 3])
+    assert first == second
+    assert (tmp_path / "a" / "samples.png").read_bytes() == (tmp_path / "b" / "samples.png").read_bytes()
+    grid = np.asarray(Image.open(tmp_path / "a" / "samples.png"))
+    tile = [grid[PAD:PAD + 32, LABEL_WIDTH + PAD + i * 34:LABEL_WIDTH + PAD + i * 34 + 32] for i in range(2)]
+    assert not np.array_equal(tile[0], tile[1])  # same class, seed + i: different noise per sample
+
+
+@pytest.mark.parametrize("family, kwargs, message", [
+    ("llama", {}, "diffusion families"),
+    ("dit", {"prompts": ["a cat"]}, "pass class_labels"),
+    ("dit", {"class_labels": [10]}, r"classes in \[0, 10\)"),
+    ("sana", {"class_labels": [1]}, "pass prompts"),
+    ("sana", {"prompts": []}, "prompts is empty"),
+    ("sana", {"fid_weights": "/nonexistent/inception.pth"}, "fid_weights|torchmetrics"),
+    ("sana", {"clip_model": "/nonexistent/clip"}, "clip_model|torchmetrics"),
+])
+def test_bad_requests_are_refused_in_one_line(family, kwargs, message, tmp_path):
+    reference = mhla_convert.tiny_model("tiny-dit" if family == "llama" else f"tiny-{family}")
+    with pytest.raises(ValueError, match=message) as error:
+        _compare(reference, reference, family, tmp_path, **kwargs)
+    assert "\n" not in str(error.value) and not (tmp_path / "samples.png").exists()
+
+
+def test_wan_image_to_video_is_refused_in_one_line(tmp_path):
+    reference = mhla_convert.tiny_model("tiny-wan-i2v")
+    with pytest.raises(ValueError, match="need a first frame"):
+        _compare(reference, reference, "wan", tmp_path)
+
+
+def test_learned_metrics_are_left_out_unless_asked_for(tmp_path):
+    pytest.importorskip("torchmetrics")
+    reference = mhla_convert.tiny_model("tiny-sana")
+    assert set(_compare(reference, reference, "sana", tmp_path)) == {"psnr", "ssim"}
