@@ -94,8 +94,8 @@ def _pair(family):
 
 
 def _compare(model, reference, family, out_dir, num_samples=2, **kwargs):
-    return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, steps=1, device="cpu",
-                           **kwargs)
+    return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, steps=1,
+                           device="cpu", **kwargs)
 
 
 def _grid_size(n, side):
@@ -137,7 +137,8 @@ def test_two_calls_give_identical_samples_and_metrics(tmp_path):
     ("sana", {"class_labels": [1]}, "pass prompts"),
     ("sana", {"prompts": []}, "prompts is empty"),
     ("sana", {"fid_weights": "/nonexistent/inception.pth"}, "fid_weights|torchmetrics"),
-    ("sana", {"clip_model": "/nonexistent/clip"}, "clip_model|torchmetrics"),
+    ("sana", {"clip_model": "/nonexistent/clip"}, "neither a local directory nor a model in the local"),
+    ("dit", {"clip_model": "/nonexistent/clip"}, "class-conditional"),
 ])
 def test_bad_requests_are_refused_in_one_line(family, kwargs, message, tmp_path):
     reference = mhla_convert.tiny_model("tiny-dit" if family == "llama" else f"tiny-{family}")
@@ -152,7 +153,33 @@ def test_wan_image_to_video_is_refused_in_one_line(tmp_path):
         _compare(reference, reference, "wan", tmp_path)
 
 
-def test_learned_metrics_are_left_out_unless_asked_for(tmp_path):
-    pytest.importorskip("torchmetrics")
+def _tiny_clip(path):
+    """A random 1-layer CLIP at 32 px with a character-level tokenizer, saved to `path`."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, PreTrainedTokenizerFast
+
+    letters = {c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ,.-")}
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1, **letters}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    text = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=128)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)).save_pretrained(path)
+    image_processor = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
+    image_processor = image_processor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
+    return path
+
+
+def test_clip_score_from_a_local_clip_model(tmp_path):
     reference = mhla_convert.tiny_model("tiny-sana")
-    assert set(_compare(reference, reference, "sana", tmp_path)) == {"psnr", "ssim"}
+    clip = _tiny_clip(tmp_path / "clip")
+    metrics = _compare(reference, reference, "sana", tmp_path / "out", clip_model=clip)
+    assert set(metrics) == {"psnr", "ssim", "clip_score", "clip_score_reference"}
+    assert 0 <= metrics["clip_score"] <= 100 and metrics["clip_score"] == metrics["clip_score_reference"]

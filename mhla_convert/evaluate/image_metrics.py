@@ -1,5 +1,5 @@
 """PSNR and SSIM between two batches of images or videos with values in [0, 1], in float64; and,
-when torchmetrics and local weights are there, FID and CLIP score.
+from local weights only, FID (through torchmetrics) and CLIP score (through transformers).
 
 Shapes: (N, C, H, W) for images, (N, F, C, H, W) for videos. PSNR and SSIM return one value per
 sample, shape (N,)."""
@@ -66,7 +66,7 @@ def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Ten
     return per_image.reshape(lead[0], -1).mean(1)
 
 
-# Optional learned metrics through torchmetrics, only from local weights: nothing is downloaded.
+# Optional learned metrics, only from local weights: nothing is downloaded.
 
 def _torchmetrics(what: str, extra: str):
     try:
@@ -81,7 +81,8 @@ def resolve_fid_weights(path: str | Path | None) -> Path | None:
         return None
     _torchmetrics("FID", "image")
     if not Path(path).is_file():
-        raise ValueError(f"fid_weights {path} is not a file: pass the local FID Inception weights (pt_inception-2015-12-05-6726825d.pth)")
+        raise ValueError(f"fid_weights {path} is not a file: pass the local FID Inception weights "
+                         "(pt_inception-2015-12-05-6726825d.pth)")
     return Path(path)
 
 
@@ -89,7 +90,6 @@ def resolve_clip_model(name_or_path: str | Path | None) -> str | None:
     """A local CLIP model directory, or the cached snapshot of a hub id; None: no CLIP score."""
     if name_or_path is None:
         return None
-    _torchmetrics("CLIP score", "multimodal")
     if Path(name_or_path).is_dir():
         return str(name_or_path)
     from huggingface_hub import snapshot_download
@@ -97,7 +97,8 @@ def resolve_clip_model(name_or_path: str | Path | None) -> str | None:
     try:
         return snapshot_download(str(name_or_path), local_files_only=True)
     except (OSError, ValueError):  # not in the cache, or not a repo id
-        raise ValueError(f"clip_model {name_or_path!r} is neither a local directory nor a model in the local Hugging Face cache") from None
+        raise ValueError(f"clip_model {name_or_path!r} is neither a local directory nor a model in the local "
+                         "Hugging Face cache") from None
 
 
 def fid(images: torch.Tensor, reference: torch.Tensor, weights: Path) -> float:
@@ -114,12 +115,16 @@ def fid(images: torch.Tensor, reference: torch.Tensor, weights: Path) -> float:
 
 
 def clip_score(images: torch.Tensor, prompts: list[str], model: str) -> float:
-    """torchmetrics' CLIP score (100 × cosine similarity) of (N, 3, H, W) [0, 1] images to their prompts."""
-    try:
-        from torchmetrics.multimodal.clip_score import CLIPScore
+    """CLIP score (Hessel et al. 2021, as torchmetrics defines it: 100 × max(cosine similarity, 0),
+    averaged) of (N, 3, H, W) [0, 1] images to their prompts, with the CLIP model in directory `model`.
+    Computed with transformers' CLIPModel directly: torchmetrics' CLIPScore expects the tensors that
+    `get_image_features` returned before transformers 5."""
+    from transformers import CLIPModel, CLIPProcessor
 
-        metric = CLIPScore(model_name_or_path=model)
-    except ImportError as exc:
-        raise ValueError(f"CLIP score needs torchmetrics' multimodal extras: pip install 'torchmetrics[multimodal]' ({exc})") from None
-    metric.update((images * 255).round().to(torch.uint8).cpu(), list(prompts))
-    return metric.compute().item()
+    clip, processor = CLIPModel.from_pretrained(model).eval(), CLIPProcessor.from_pretrained(model)
+    pixels = list((images.movedim(1, -1) * 255).round().to(torch.uint8).cpu().numpy())
+    inputs = processor(text=list(prompts), images=pixels, return_tensors="pt", padding=True, truncation=True)
+    with torch.no_grad():
+        out = clip(**inputs)
+    cosine = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds, dim=-1)
+    return (100 * cosine.clamp(min=0)).mean().item()

@@ -37,8 +37,8 @@ VIDEO_FPS = 16
 @torch.no_grad()
 def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_dir: Path, num_samples: int = 4,
                     seed: int = 0, steps: int = 20, device=None, prompts: list[str] | None = None,
-                    class_labels: list[int] | None = None, base: str | None = None, fid_weights: str | Path | None = None,
-                    clip_model: str | Path | None = None) -> dict[str, float]:
+                    class_labels: list[int] | None = None, base: str | None = None,
+                    fid_weights: str | Path | None = None, clip_model: str | Path | None = None) -> dict[str, float]:
     """Sample `model` and `reference` side by side and score the model against the reference.
 
     Sample i of both uses a generator seeded with `seed + i`, so two calls give identical images and
@@ -47,16 +47,18 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     `base` (default: the base model recorded on `reference`, then on `model`); built-in tiny models
     get tiny in-process ones. Both transformers are put in eval mode and moved to `device`.
 
-    Returns {"psnr": mean dB (inf when all samples match exactly), "ssim": mean SSIM}, over the
-    float [0, 1] pipeline outputs in float64. With torchmetrics installed, `fid_weights` (a local
-    FID Inception weights file) adds "fid" (model vs reference samples) and `clip_model` (a local
-    CLIP directory or a model already in the Hugging Face cache; nothing is downloaded) adds
+    Returns {"psnr": mean dB (inf when a sample matches exactly), "ssim": mean SSIM}, over the
+    float [0, 1] pipeline outputs in float64. Only when asked for, from local weights (nothing is
+    downloaded; a missing package or file is a one-line error): `fid_weights` (the FID Inception
+    weights file; needs torchmetrics[image]) adds "fid" of the model's samples to the reference's,
+    and `clip_model` (a CLIP directory, or a hub id already in the Hugging Face cache) adds
     "clip_score" and "clip_score_reference"; videos are scored on their first frames.
     """
     conditions = _conditions(family, model, num_samples, prompts, class_labels)
+    if clip_model is not None and family == "dit":
+        raise ValueError("clip_model scores samples against their prompts; DiT samples are class-conditional "
+                         "(drop clip_model)")
     fid_path, clip_path = resolve_fid_weights(fid_weights), resolve_clip_model(clip_model)
-    if clip_path is not None and family == "dit":
-        raise ValueError("clip_model scores samples against their prompts; DiT samples are class-conditional (drop clip_model)")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = base or _recorded_base(reference) or _recorded_base(model)
     for transformer in (reference, model):
@@ -67,14 +69,16 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     samples = []
     for transformer in (reference, model):
         pipe = _family_pipeline(family, transformer, base, device, pipe)
-        samples.append(torch.stack([_generate(pipe, family, base, cond, steps, torch.Generator(device).manual_seed(seed + i))
-                                    for i, cond in enumerate(conditions)]))
+        generators = [torch.Generator(device).manual_seed(seed + i) for i in range(len(conditions))]
+        samples.append(torch.stack([_generate(pipe, family, base, condition, steps, generator)
+                                    for condition, generator in zip(conditions, generators)]))
     ref_samples, model_samples = samples
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write(ref_samples, model_samples, out_dir, video=family == "wan")
-    metrics = {"psnr": psnr(model_samples, ref_samples).mean().item(), "ssim": ssim(model_samples, ref_samples).mean().item()}
+    metrics = {"psnr": psnr(model_samples, ref_samples).mean().item(),
+               "ssim": ssim(model_samples, ref_samples).mean().item()}
     firsts = [s[:, 0] if family == "wan" else s for s in (ref_samples, model_samples)]
     if fid_path is not None:
         metrics["fid"] = fid(firsts[1], firsts[0], fid_path)
@@ -91,7 +95,8 @@ def _conditions(family: str, model: nn.Module, num_samples: int, prompts, class_
         if prompts is not None:
             raise ValueError("DiT is class-conditional: pass class_labels instead of prompts")
         num_classes = model.config.num_embeds_ada_norm
-        chosen = list(class_labels) if class_labels is not None else [c % num_classes for c in _cycle(DEFAULT_CLASSES, num_samples)]
+        defaults = [c % num_classes for c in _cycle(DEFAULT_CLASSES, num_samples)]  # tiny DiTs have few classes
+        chosen = list(class_labels) if class_labels is not None else defaults
         if not chosen or not all(0 <= c < num_classes for c in chosen):
             raise ValueError(f"class_labels must be a non-empty list of classes in [0, {num_classes}); got {chosen}")
         return chosen
@@ -113,15 +118,15 @@ def _recorded_base(model: nn.Module) -> str | None:
     return (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
 
 
+# The family's pipeline and how to call it (all the family knowledge here): what `mhla-convert sample`
+# does (train/sampling.py), for transformers in memory, returning float images instead of files.
+
 def _check_transformer(family: str, transformer: nn.Module) -> None:
     from ..train.components import is_i2v
 
     if family == "wan" and is_i2v(transformer):
         raise ValueError("sample comparison generates from prompts alone; Wan image-to-video models need a first frame")
 
-
-# The family's pipeline and how to call it: what `mhla-convert sample` does (train/sampling.py), for
-# transformers in memory, returning float images instead of files.
 
 def _family_pipeline(family: str, transformer: nn.Module, base: str | None, device, pipe=None):
     """The family's pipeline around `transformer`; with `pipe`, its components around a new transformer."""
@@ -145,7 +150,7 @@ def _generate(pipe, family: str, base: str | None, condition, steps: int, genera
     kwargs = {"num_inference_steps": steps, "generator": generator, "output_type": "np"}
     if family == "dit":
         if is_tiny(base):
-            kwargs["guidance_scale"] = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer classes
+            kwargs["guidance_scale"] = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer
         image = pipe(class_labels=[condition], **kwargs).images[0]
     elif family == "wan":
         image = pipe(prompt=condition, **(TINY_VIDEO if is_tiny(base) else {}), **kwargs).frames[0]
