@@ -136,7 +136,8 @@ def test_two_calls_give_identical_samples_and_metrics(tmp_path):
     ("dit", {"class_labels": [10]}, r"classes in \[0, 10\)"),
     ("sana", {"class_labels": [1]}, "pass prompts"),
     ("sana", {"prompts": []}, "prompts is empty"),
-    ("sana", {"fid_weights": "/nonexistent/inception.pth"}, "fid_weights|torchmetrics"),
+    ("sana", {"fid_weights": "/nonexistent/inception.pth"}, "fid_weights|FID needs"),
+    ("sana", {"fid_weights": "/nonexistent/inception.pth", "prompts": ["a cat"]}, "at least 2"),
     ("sana", {"clip_model": "/nonexistent/clip"}, "neither a local directory nor a model in the local"),
     ("dit", {"clip_model": "/nonexistent/clip"}, "class-conditional"),
 ])

@@ -6,6 +6,7 @@ sample, shape (N,)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -68,18 +69,14 @@ def ssim(x: torch.Tensor, y: torch.Tensor, data_range: float = 1.0) -> torch.Ten
 
 # Optional learned metrics, only from local weights: nothing is downloaded.
 
-def _torchmetrics(what: str, extra: str):
-    try:
-        import torchmetrics  # noqa: F401
-    except ImportError:
-        raise ValueError(f"{what} needs torchmetrics: pip install 'torchmetrics[{extra}]'") from None
-
-
 def resolve_fid_weights(path: str | Path | None) -> Path | None:
-    """The local FID Inception weights file (pt_inception-2015-12-05-6726825d.pth), checked; None: no FID."""
+    """The local FID Inception weights file (pt_inception-2015-12-05-6726825d.pth), checked along with
+    the packages FID needs; None: no FID."""
     if path is None:
         return None
-    _torchmetrics("FID", "image")
+    missing = [name for name in ("torchmetrics", "torch_fidelity") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"FID needs {' and '.join(missing)}: pip install 'torchmetrics[image]'")
     if not Path(path).is_file():
         raise ValueError(f"fid_weights {path} is not a file: pass the local FID Inception weights "
                          "(pt_inception-2015-12-05-6726825d.pth)")
@@ -103,12 +100,9 @@ def resolve_clip_model(name_or_path: str | Path | None) -> str | None:
 
 def fid(images: torch.Tensor, reference: torch.Tensor, weights: Path) -> float:
     """Fréchet Inception distance of (N, 3, H, W) [0, 1] images to the reference images (N >= 2 each)."""
-    try:
-        from torchmetrics.image.fid import FrechetInceptionDistance
+    from torchmetrics.image.fid import FrechetInceptionDistance
 
-        metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
-    except ImportError as exc:
-        raise ValueError(f"FID needs torchmetrics' image extras: pip install 'torchmetrics[image]' ({exc})") from None
+    metric = FrechetInceptionDistance(feature=2048, normalize=True, feature_extractor_weights_path=str(weights))
     metric.update(reference.float().cpu(), real=True)
     metric.update(images.float().cpu(), real=False)
     return metric.compute().item()

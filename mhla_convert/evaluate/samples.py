@@ -58,6 +58,8 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     if clip_model is not None and family == "dit":
         raise ValueError("clip_model scores samples against their prompts; DiT samples are class-conditional "
                          "(drop clip_model)")
+    if fid_weights is not None and len(conditions) < 2:
+        raise ValueError("FID compares two sets of samples: ask for at least 2 (num_samples, prompts or class_labels)")
     fid_path, clip_path = resolve_fid_weights(fid_weights), resolve_clip_model(clip_model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = base or _recorded_base(reference) or _recorded_base(model)
