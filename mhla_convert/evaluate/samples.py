@@ -1,0 +1,192 @@
+"""Side-by-side samples of a (converted) diffusion transformer and its reference: both run inside
+the family's diffusers pipeline, on the same prompts (or DiT class labels) and the same seeds, so
+they start from the same noise. Writes one grid (`samples.png`, top row the reference, bottom row
+the model; for Wan also `samples.mp4`, the same grid per frame, and the PNG holds the first frames)
+and scores the model's samples against the reference's with PSNR and SSIM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..models import SOURCE_ATTR
+from .image_metrics import clip_score, fid, psnr, resolve_clip_model, resolve_fid_weights, ssim
+
+FAMILIES = ("sana", "wan", "dit", "pixart")
+DEFAULT_PROMPTS = (
+    "a red panda sitting on a mossy log in a forest",
+    "a lighthouse on a rocky coast at sunset",
+    "a bowl of ramen with a soft-boiled egg, studio photo",
+    "an astronaut riding a horse on the moon",
+    "a watercolor painting of a city street in the rain",
+    "a close-up of a hummingbird drinking from a flower",
+    "a snowy mountain village at night with warm lights",
+    "a vintage car parked in front of a neon diner",
+)
+# ImageNet classes: golden retriever, otter, red panda, geyser, macaw, valley, balloon, arctic fox
+DEFAULT_CLASSES = (207, 360, 387, 974, 88, 979, 417, 279)
+LABELS = ("reference", "model")
+LABEL_WIDTH = 64  # the strip left of the grid that names each row (even, so video frames stay even-sized)
+PAD = 2
+VIDEO_FPS = 16
+
+
+@torch.no_grad()
+def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_dir: Path, num_samples: int = 4,
+                    seed: int = 0, steps: int = 20, device=None, prompts: list[str] | None = None,
+                    class_labels: list[int] | None = None, base: str | None = None,
+                    fid_weights: str | Path | None = None, clip_model: str | Path | None = None) -> dict[str, float]:
+    """Sample `model` and `reference` side by side and score the model against the reference.
+
+    Sample i of both uses a generator seeded with `seed + i`, so two calls give identical images and
+    metrics. Prompts (sana, wan, pixart) or class labels (dit) default to `num_samples` built-in
+    ones; when given, there is one sample per entry. The VAE, text encoder and scheduler come from
+    `base` (default: the base model recorded on `reference`, then on `model`); built-in tiny models
+    get tiny in-process ones. Both transformers are put in eval mode and moved to `device`.
+
+    Returns {"psnr": mean dB (inf when a sample matches exactly), "ssim": mean SSIM}, over the
+    float [0, 1] pipeline outputs in float64. Only when asked for, from local weights (nothing is
+    downloaded; a missing package or file is a one-line error): `fid_weights` (the FID Inception
+    weights file; needs torchmetrics[image]) adds "fid" of the model's samples to the reference's,
+    and `clip_model` (a CLIP directory, or a hub id already in the Hugging Face cache) adds
+    "clip_score" and "clip_score_reference"; videos are scored on their first frames.
+    """
+    conditions = _conditions(family, model, num_samples, prompts, class_labels)
+    if clip_model is not None and family == "dit":
+        raise ValueError("clip_model scores samples against their prompts; DiT samples are class-conditional "
+                         "(drop clip_model)")
+    if fid_weights is not None and len(conditions) < 2:
+        raise ValueError("FID compares two sets of samples: ask for at least 2 (num_samples, prompts or class_labels)")
+    fid_path, clip_path = resolve_fid_weights(fid_weights), resolve_clip_model(clip_model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base = base or _recorded_base(reference) or _recorded_base(model)
+    for transformer in (reference, model):
+        _check_transformer(family, transformer)
+        transformer.eval().to(device)
+
+    pipe = None
+    samples = []
+    for transformer in (reference, model):
+        pipe = _family_pipeline(family, transformer, base, device, pipe)
+        generators = [torch.Generator(device).manual_seed(seed + i) for i in range(len(conditions))]
+        samples.append(torch.stack([_generate(pipe, family, base, condition, steps, generator)
+                                    for condition, generator in zip(conditions, generators)]))
+    ref_samples, model_samples = samples
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write(ref_samples, model_samples, out_dir, video=family == "wan")
+    metrics = {"psnr": psnr(model_samples, ref_samples).mean().item(),
+               "ssim": ssim(model_samples, ref_samples).mean().item()}
+    firsts = [s[:, 0] if family == "wan" else s for s in (ref_samples, model_samples)]
+    if fid_path is not None:
+        metrics["fid"] = fid(firsts[1], firsts[0], fid_path)
+    if clip_path is not None:
+        metrics["clip_score"] = clip_score(firsts[1], conditions, clip_path)
+        metrics["clip_score_reference"] = clip_score(firsts[0], conditions, clip_path)
+    return metrics
+
+
+def _conditions(family: str, model: nn.Module, num_samples: int, prompts, class_labels) -> list:
+    if family not in FAMILIES:
+        raise ValueError(f"sample comparison is for the diffusion families {', '.join(FAMILIES)}; got {family!r}")
+    if family == "dit":
+        if prompts is not None:
+            raise ValueError("DiT is class-conditional: pass class_labels instead of prompts")
+        num_classes = model.config.num_embeds_ada_norm
+        defaults = [c % num_classes for c in _cycle(DEFAULT_CLASSES, num_samples)]  # tiny DiTs have few classes
+        chosen = list(class_labels) if class_labels is not None else defaults
+        if not chosen or not all(0 <= c < num_classes for c in chosen):
+            raise ValueError(f"class_labels must be a non-empty list of classes in [0, {num_classes}); got {chosen}")
+        return chosen
+    if class_labels is not None:
+        raise ValueError(f"{family} is text-conditional: pass prompts instead of class_labels")
+    chosen = list(prompts) if prompts is not None else _cycle(DEFAULT_PROMPTS, num_samples)
+    if not chosen:
+        raise ValueError("prompts is empty: pass at least one prompt (or leave it out for the built-in ones)")
+    return chosen
+
+
+def _cycle(values, n: int) -> list:
+    if n < 1:
+        raise ValueError(f"num_samples must be at least 1; got {n}")
+    return [values[i % len(values)] for i in range(n)]
+
+
+def _recorded_base(model: nn.Module) -> str | None:
+    return (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+
+
+# The family's pipeline and how to call it (all the family knowledge here): what `mhla-convert sample`
+# does (train/sampling.py), for transformers in memory, returning float images instead of files.
+
+def _check_transformer(family: str, transformer: nn.Module) -> None:
+    from ..train.components import is_i2v
+
+    if family == "wan" and is_i2v(transformer):
+        raise ValueError("sample comparison generates from prompts alone; Wan image-to-video models need a first frame")
+
+
+def _family_pipeline(family: str, transformer: nn.Module, base: str | None, device, pipe=None):
+    """The family's pipeline around `transformer`; with `pipe`, its components around a new transformer."""
+    from ..train.components import pipeline
+
+    if family == "dit" and transformer.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
+        transformer.register_to_config(out_channels=transformer.out_channels)
+    if pipe is not None:
+        pipe.register_modules(transformer=transformer)
+        return pipe
+    pipe = pipeline(family, transformer, base).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _generate(pipe, family: str, base: str | None, condition, steps: int, generator: torch.Generator) -> torch.Tensor:
+    """One sample as float64 in [0, 1]: (C, H, W), or (F, C, H, W) for Wan."""
+    from ..train.components import is_tiny
+    from ..train.sampling import TINY_VIDEO
+
+    kwargs = {"num_inference_steps": steps, "generator": generator, "output_type": "np"}
+    if family == "dit":
+        if is_tiny(base):
+            kwargs["guidance_scale"] = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer
+        image = pipe(class_labels=[condition], **kwargs).images[0]
+    elif family == "wan":
+        image = pipe(prompt=condition, **(TINY_VIDEO if is_tiny(base) else {}), **kwargs).frames[0]
+    else:
+        if is_tiny(base):  # the pipelines default to their real resolutions (and want multiples of 32)
+            native = -(-pipe.transformer.config.sample_size * pipe.vae_scale_factor // 32) * 32
+            kwargs.update(height=native, width=native)
+        image = pipe(prompt=condition, use_resolution_binning=not is_tiny(base), **kwargs).images[0]
+    return torch.from_numpy(np.asarray(image, dtype=np.float64)).movedim(-1, -3).clamp(0, 1)
+
+
+def _write(ref_samples: torch.Tensor, model_samples: torch.Tensor, out_dir: Path, *, video: bool) -> None:
+    if not video:
+        _grid([ref_samples, model_samples]).save(out_dir / "samples.png")
+        return
+    import imageio.v2 as imageio
+
+    frames = [_grid([ref_samples[:, f], model_samples[:, f]]) for f in range(ref_samples.shape[1])]
+    frames[0].save(out_dir / "samples.png")
+    # even width and height (yuv420p) by construction, so no resizing to 16-pixel blocks
+    imageio.mimwrite(out_dir / "samples.mp4", [np.asarray(f) for f in frames], fps=VIDEO_FPS, macro_block_size=1)
+
+
+def _grid(rows: list[torch.Tensor]):
+    """One row of (N, C, H, W) images per entry of LABELS, each row named in a strip on its left."""
+    from PIL import Image, ImageDraw
+
+    n, _, h, w = rows[0].shape
+    canvas = Image.new("RGB", (LABEL_WIDTH + PAD + n * (w + PAD), PAD + len(rows) * (h + PAD)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for r, (label, images) in enumerate(zip(LABELS, rows)):
+        top = PAD + r * (h + PAD)
+        draw.text((PAD, top), label, fill="black")
+        pixels = (images.movedim(1, -1) * 255).round().to(torch.uint8).numpy()
+        for i, image in enumerate(pixels):
+            canvas.paste(Image.fromarray(image), (LABEL_WIDTH + PAD + i * (w + PAD), top))
+    return canvas
