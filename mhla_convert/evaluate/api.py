@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import platform
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -60,14 +61,21 @@ def _compare_samples(model, reference, *, family, out_dir, requested, num_sample
                                seed=seed, steps=steps, device=device)
 
 
+@dataclass
 class _Scorer:
     """One evaluation's fixed inputs, applied to the model and the reference alike."""
 
-    def __init__(self, family, objective, batch_list, *, seed, timesteps, passkey, trials, tasks, task_limit,
-                 tokenizer_source, batch_size):
-        self.family, self.objective, self.batches, self.seed = family, objective, batch_list, seed
-        self.timesteps, self.passkey, self.trials = timesteps, passkey, trials
-        self.tasks, self.task_limit, self.tokenizer_source, self.batch_size = tasks, task_limit, tokenizer_source, batch_size
+    family: str
+    objective: object
+    batches: list[dict]
+    seed: int
+    timesteps: int
+    passkey: list[int]
+    trials: int
+    tasks: list[str]
+    task_limit: int | None
+    tokenizer_source: str | None
+    batch_size: int
 
     @torch.no_grad()
     def __call__(self, model: nn.Module) -> dict[str, float]:
@@ -166,12 +174,13 @@ def evaluate(
                                           num_samples=num_samples, seed=seed, steps=sample_steps)
             if comparison:
                 result["comparison"] = {f"sample_{k}": float(v) for k, v in comparison.items()}
+    param = next(loaded.parameters())
     result["meta"] = {
         "family": family, "model": describe(model), "reference": describe(reference) if ref is not None else None,
         "data": {"kind": spec.kind, "path": spec.path}, "num_examples": len(next(iter(columns.values()))),
         "batch_size": batch_size, "num_batches": len(batch_list), "seed": seed,
         "timesteps_per_batch": timesteps if family != "llama" else None, "passkey_lengths": lengths,
-        "device": str(next(loaded.parameters()).device), "dtype": str(next(loaded.parameters()).dtype).removeprefix("torch."),
+        "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
         "versions": _versions(),
     }
     if out is not None:

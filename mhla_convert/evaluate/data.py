@@ -25,7 +25,8 @@ COLUMNS = {
     "pixart": ("latents", "prompt_embeds", "prompt_attention_mask"),
     "wan": ("latents", "prompt_embeds"),
 }
-KIND_HINT = "'synthetic', a .safetensors file or folder of latents, an image/video folder with metadata.jsonl, or text (LMs)"
+KIND_HINT = ("'synthetic', a .safetensors file or folder of latents, an image/video folder with metadata.jsonl, "
+             "or text (LMs)")
 
 
 def _kind_of(path: Path) -> str:
@@ -80,7 +81,8 @@ def check_fits(columns: dict[str, torch.Tensor], family: str, model: nn.Module, 
     if family == "llama":
         ids, vocab = columns["input_ids"], config_value(model, "vocab_size")
         if ids.ndim != 2 or ids.shape[1] < 2:
-            raise EvalError(f"{source}: input_ids must be (examples, tokens) with at least 2 tokens; got {tuple(ids.shape)}")
+            raise EvalError(f"{source}: input_ids must be (examples, tokens) with at least 2 tokens; "
+                            f"got {tuple(ids.shape)}")
         if int(ids.max()) >= vocab:
             raise EvalError(f"{source} holds token ids up to {int(ids.max())} but the model's vocabulary has {vocab}: "
                             "tokenize with the model's own tokenizer (data option components)")

@@ -94,14 +94,15 @@ def require_lm_eval() -> None:
                         "(or leave out tasks)") from None
 
 
-def lm_eval_scores(model: nn.Module, tasks: list[str], *, tokenizer, batch_size: int, limit, seed: int) -> dict[str, float]:
+def lm_eval_scores(model: nn.Module, tasks: list[str], *, tokenizer, batch_size: int, limit,
+                   seed: int) -> dict[str, float]:
     """lm-evaluation-harness tasks through its Python API; {"<task>/<metric>": value} (no stderrs)."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed)["results"]
+    seeds = dict(random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit, **seeds)["results"]
     return {f"{task}/{metric.removesuffix(',none')}": float(value)
             for task, metrics in sorted(results.items()) for metric, value in sorted(metrics.items())
             if isinstance(value, (int, float)) and not isinstance(value, bool) and "stderr" not in metric}

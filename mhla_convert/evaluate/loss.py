@@ -48,7 +48,8 @@ def band_name(timestep: float, num_train_timesteps: int) -> str:
     return f"loss_t{band * width}-{(band + 1) * width}"
 
 
-def diffusion_loss(model: nn.Module, objective, batches: list[dict], *, seed: int, num_timesteps: int) -> dict[str, float]:
+def diffusion_loss(model: nn.Module, objective, batches: list[dict], *, seed: int,
+                   num_timesteps: int) -> dict[str, float]:
     indices = fixed_timesteps(objective, num_timesteps)
     bands = [band_name(float(objective.timestep(i)), objective.spec.num_train_timesteps) for i in indices]
     sums: dict[str, float] = {}

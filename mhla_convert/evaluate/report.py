@@ -72,8 +72,8 @@ def rows(result: dict) -> list[tuple[str, str, str, str]]:
     """(metric, model, reference, gap %) for every metric, comparisons last."""
     model, reference = result["model"], result.get("reference")
     gap = result.get("gap_percent", {})
-    out = [(name, _value(value), _value(reference.get(name)) if reference else "—", _gap(gap[name]) if name in gap else "—")
-           for name, value in model.items()]
+    out = [(name, _value(value), _value(reference.get(name)) if reference else "—",
+            _gap(gap[name]) if name in gap else "—") for name, value in model.items()]
     out += [(name, _value(value), "—", "—") for name, value in result.get("comparison", {}).items()]
     return out
 
@@ -82,7 +82,10 @@ def table(result: dict) -> str:
     header = ("metric", "model", "reference", "gap %")
     body = rows(result)
     width = [max(len(r[c]) for r in [header, *body]) for c in range(4)]
-    line = lambda r: "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, width)))
+
+    def line(row):  # the metric name left-aligned, numbers right-aligned
+        return "  ".join(cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(row, width)))
+
     return "\n".join([line(header), "  ".join("-" * w for w in width), *map(line, body)])
 
 
