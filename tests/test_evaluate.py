@@ -190,6 +190,16 @@ def test_latents_file_and_converted_checkpoint_directory(dit_pair, tmp_path):
     assert from_disk["meta"]["data"] == {"kind": "latents", "path": str(latents)}
 
 
+def test_synthetic_data_is_the_training_set(dit_pair):
+    from mhla_convert.evaluate.data import data_spec, held_out
+    from mhla_convert.train.data import synthetic
+    from mhla_convert.train.recipe import DataSpec
+
+    trained_on = synthetic("dit", dit_pair[1], DataSpec(), seed=5).columns
+    scored = held_out(data_spec("synthetic"), "dit", dit_pair[1], num_examples=6, seed=5, components=None)
+    assert all(torch.equal(scored[k], trained_on[k][:6]) for k in trained_on)
+
+
 def test_text_data_for_an_lm(llama_pair, tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 40)

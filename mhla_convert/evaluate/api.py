@@ -123,7 +123,7 @@ def evaluate(
 
     model, reference: an nn.Module, or what the converter loads: alias, tiny-* name, local directory
         (a base model, or a converted checkpoint holding mhla_config.json) or hub id.
-    data: "synthetic" (the family's built-in set, seeded by `seed`), a .safetensors file or folder of
+    data: "synthetic" (the family's built-in training set for `seed`), a .safetensors file or folder of
         latents, an image/video folder with metadata.jsonl, or text (.txt/.jsonl/.json/.parquet) for
         LMs; or a training `DataSpec`. `data_options` sets other DataSpec fields (context_length,
         height, components, cache_dir, …). The first batch_size × num_batches examples are used, in order.
@@ -144,7 +144,7 @@ def evaluate(
     if tasks:
         lm.require_lm_eval()
     num_examples = batch_size * num_batches
-    spec = data_spec(data, num_examples, data_options)
+    spec = data_spec(data, data_options)
 
     loaded = resolve_model(model, role="model", dtype=dtype, device=device)
     family = family_of(loaded, "model")

@@ -45,16 +45,18 @@ def _kind_of(path: Path) -> str:
     raise EvalError(f"cannot tell what data {path} holds; give {KIND_HINT}")
 
 
-def data_spec(data: str | Path | DataSpec, num_examples: int, options: dict | None = None) -> DataSpec:
-    """`data` as a training DataSpec (its kind read from the path), checked before any model loads."""
+def data_spec(data: str | Path | DataSpec, options: dict | None = None) -> DataSpec:
+    """`data` as a training DataSpec (its kind read from the path), checked before any model loads.
+    "synthetic" is the set a recipe with `data.kind: synthetic` trains on (its num_samples and the
+    seed decide every example, so the default is the recipe's)."""
     if isinstance(data, DataSpec):
         return data
-    fields = {f.name for f in dataclasses.fields(DataSpec)} - {"kind", "path", "num_samples"}
+    fields = {f.name for f in dataclasses.fields(DataSpec)} - {"kind", "path"}
     unknown = sorted(set(options or {}) - fields)
     if unknown:
         raise EvalError(f"unknown data option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
     if str(data) == "synthetic":
-        return DataSpec(kind="synthetic", num_samples=num_examples, **(options or {}))
+        return DataSpec(kind="synthetic", **(options or {}))
     path = Path(data).expanduser()
     if not path.exists():
         raise EvalError(f"data {path} does not exist; give {KIND_HINT}")
