@@ -54,11 +54,23 @@ def _compare_samples(model, reference, *, family, out_dir, requested, num_sample
         return {}
     device = next(model.parameters()).device
     if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
         return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, seed=seed,
                                steps=steps, device=device)
     with tempfile.TemporaryDirectory() as scratch:  # no output directory: the sample files are not kept
         return compare_samples(model, reference, family=family, out_dir=Path(scratch), num_samples=num_samples,
                                seed=seed, steps=steps, device=device)
+
+
+def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device):
+    """(model, reference or None, family), refusing a reference that takes other inputs."""
+    loaded = resolve_model(model, role="model", dtype=dtype, device=device)
+    family = family_of(loaded, "model")
+    if reference is None:
+        return loaded, None, family
+    ref = resolve_model(reference, role="reference", dtype=dtype, device=device)
+    check_comparable(loaded, ref, (family, family_of(ref, "reference")))
+    return loaded, ref, family
 
 
 @dataclass
@@ -137,7 +149,8 @@ def evaluate(
     Returns {"model": {metric: value}, "reference": {...}, "gap_percent": {...}, "comparison": {...},
     "meta": {...}}; "loss" is always among the metrics.
     """
-    _check_counts(batch_size=batch_size, num_batches=num_batches, timesteps=timesteps, passkey_trials=passkey_trials)
+    _check_counts(batch_size=batch_size, num_batches=num_batches, timesteps=timesteps, passkey_trials=passkey_trials,
+                  num_samples=num_samples, sample_steps=sample_steps)
     out = Path(out_dir).expanduser() if out_dir is not None else None
     if out is not None:
         report.check_out_dir(out)
@@ -146,12 +159,7 @@ def evaluate(
     num_examples = batch_size * num_batches
     spec = data_spec(data, data_options)
 
-    loaded = resolve_model(model, role="model", dtype=dtype, device=device)
-    family = family_of(loaded, "model")
-    ref = None
-    if reference is not None:
-        ref = resolve_model(reference, role="reference", dtype=dtype, device=device)
-        check_comparable(loaded, ref, (family, family_of(ref, "reference")))
+    loaded, ref, family = _load_models(model, reference, dtype=dtype, device=device)
     if family != "llama" and tasks:
         raise EvalError(f"lm-eval tasks are for language models; this is a {family} model: leave out tasks")
     if samples and (family == "llama" or ref is None):
