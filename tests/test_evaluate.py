@@ -66,6 +66,18 @@ def test_diffusion_loss_has_four_timestep_bands_and_the_mean(dit_pair):
     assert metrics["loss"] == pytest.approx(sum(bands) / 4)
 
 
+def test_fixed_timesteps_are_the_centres_of_equal_probability_strata():
+    from mhla_convert.evaluate.loss import fixed_timesteps
+    from mhla_convert.evaluate.objective import training_objective
+    from mhla_convert.train.recipe import ObjectiveSpec
+
+    assert fixed_timesteps(training_objective("dit"), 4).tolist() == [125, 375, 625, 875]
+    logit_normal = fixed_timesteps(training_objective("sana", ObjectiveSpec(timestep_sampling="logit_normal")), 8)
+    assert logit_normal.tolist() == sorted(set(logit_normal.tolist()))  # distinct, in order
+    assert all(abs(int(a) + int(b) - 999) <= 1 for a, b in zip(logit_normal, logit_normal.flip(0)))  # symmetric
+    assert 400 < int(logit_normal[3]) < 500  # bunched around the middle, unlike [125, 375, …]
+
+
 @pytest.mark.parametrize("pair", ["llama_pair", "dit_pair"])
 def test_converted_model_scores_differently_from_its_base(pair, request):
     model, base = request.getfixturevalue(pair)
