@@ -116,10 +116,10 @@ def test_every_family_is_scored(tmp_path):
 def test_passkey_prompts_hide_the_key_after_the_marker():
     model = tiny_model("tiny-llama")
     prompts, keys = passkey_prompts(model, 64, trials=3, seed=0)
-    assert prompts.shape == (3, 64) and keys.shape == (3, PASSKEY_TOKENS)
+    assert prompts.shape == (3, 64 - PASSKEY_TOKENS) and keys.shape == (3, PASSKEY_TOKENS)  # the answer fills 64
     for prompt, key in zip(prompts, keys):
         marker = prompt[-MARKER_TOKENS:]
-        starts = [i for i in range(64 - MARKER_TOKENS) if torch.equal(prompt[i : i + MARKER_TOKENS], marker)]
+        starts = [i for i in range(len(prompt) - MARKER_TOKENS) if torch.equal(prompt[i : i + MARKER_TOKENS], marker)]
         assert len(starts) == 1 and torch.equal(prompt[starts[0] + MARKER_TOKENS :][:PASSKEY_TOKENS], key)
     assert torch.equal(prompts, passkey_prompts(model, 64, trials=3, seed=0)[0])
     assert not torch.equal(prompts, passkey_prompts(model, 64, trials=3, seed=1)[0])

@@ -4,7 +4,8 @@ retrieval probe for long context, and lm-evaluation-harness tasks.
 Passkey retrieval (token ids only, so it runs on any model, tokenizer or not): a filler "sentence"
 of random tokens repeated to the context length, a needle (a marker of 4 tokens, then a passkey of
 5 random tokens) inserted at a seeded depth, and at the end the marker again; the score is the
-fraction of prompts whose greedy continuation is exactly the passkey. Tokens are drawn from the
+fraction of prompts whose greedy continuation is exactly the passkey. A context length counts the
+answer too: prompt and continuation together fill it. Tokens are drawn from the
 middle of the vocabulary (away from both ends, where models keep their special tokens), marker,
 filler and passkey from disjoint sets, all from a generator seeded by (seed, context length).
 """
@@ -23,7 +24,7 @@ DEFAULT_PASSKEY_LENGTHS = (256, 1024, 4096)
 MARKER_TOKENS = 4
 PASSKEY_TOKENS = 5
 FILLER_TOKENS = 32
-MIN_PASSKEY_LENGTH = 2 * MARKER_TOKENS + PASSKEY_TOKENS + 8
+MIN_PASSKEY_LENGTH = 2 * MARKER_TOKENS + 2 * PASSKEY_TOKENS + 8
 
 
 def perplexity(loss: float) -> dict[str, float]:
@@ -51,13 +52,13 @@ def _token_pool(model: nn.Module) -> torch.Tensor:
 
 
 def passkey_prompts(model: nn.Module, length: int, trials: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompts (trials, length), passkeys (trials, PASSKEY_TOKENS)) for one context length."""
+    """(prompts (trials, length − PASSKEY_TOKENS), passkeys (trials, PASSKEY_TOKENS)) for one context length."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + length)
     pool = _token_pool(model)
     pool = pool[torch.randperm(len(pool), generator=g)]
     marker, sentence = pool[:MARKER_TOKENS], pool[MARKER_TOKENS : MARKER_TOKENS + FILLER_TOKENS]
     keys_from = pool[MARKER_TOKENS + FILLER_TOKENS :]
-    filler = sentence.repeat(length // FILLER_TOKENS + 1)[: length - 2 * MARKER_TOKENS - PASSKEY_TOKENS]
+    filler = sentence.repeat(length // FILLER_TOKENS + 1)[: length - 2 * MARKER_TOKENS - 2 * PASSKEY_TOKENS]
     prompts, keys = [], []
     for _ in range(trials):
         key = keys_from[torch.randperm(len(keys_from), generator=g)[:PASSKEY_TOKENS]]
@@ -76,7 +77,8 @@ def passkey_accuracy(model: nn.Module, lengths, *, trials: int, seed: int) -> di
         prompts, keys = passkey_prompts(model, length, trials, seed)
         prompts = prompts.to(device)
         generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=PASSKEY_TOKENS,
-                                   do_sample=False, pad_token_id=pad if pad is not None else 0)[:, length:].cpu()
+                                   do_sample=False, pad_token_id=pad if pad is not None else 0)
+        generated = generated[:, prompts.shape[1] :].cpu()
         if generated.shape[1] < PASSKEY_TOKENS:  # every prompt stopped early (end of sequence): all wrong
             hits = torch.zeros(trials, dtype=torch.bool)
         else:
