@@ -76,8 +76,9 @@ def passkey_accuracy(model: nn.Module, lengths, *, trials: int, seed: int) -> di
     for length in passkey_lengths(model, lengths):
         prompts, keys = passkey_prompts(model, length, trials, seed)
         prompts = prompts.to(device)
+        # without a cache every step reads the whole sequence: the score is the model's, whatever its cache does
         generated = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=PASSKEY_TOKENS,
-                                   do_sample=False, pad_token_id=pad if pad is not None else 0)
+                                   do_sample=False, use_cache=False, pad_token_id=pad if pad is not None else 0)
         generated = generated[:, prompts.shape[1] :].cpu()
         if generated.shape[1] < PASSKEY_TOKENS:  # every prompt stopped early (end of sequence): all wrong
             hits = torch.zeros(trials, dtype=torch.bool)
