@@ -8,6 +8,7 @@ except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0"
 
 from .convert import ConversionReport, convert
+from .evaluate import evaluate
 from .hub import push_to_hub
 from .io import from_pretrained, save_pretrained
 from .layer import MHLAConfig, MHLAttention, mhla_layers
@@ -16,7 +17,7 @@ from .models import load_model, tiny_model
 from .ops import mhla_attention
 
 __all__ = [
-    "ConversionReport", "MHLAConfig", "MHLAttention", "__version__", "clamp_mixing_", "convert", "from_pretrained",
+    "ConversionReport", "MHLAConfig", "MHLAttention", "__version__", "clamp_mixing_", "convert", "evaluate", "from_pretrained",
     "initial_mixing", "load_model", "locality_mixing", "mhla_attention", "mhla_layers", "push_to_hub",
     "relative_causal_mixing", "save_pretrained", "tiny_model", "toeplitz_causal_mixing", "uniform_mixing",
 ]

@@ -52,13 +52,13 @@ def _step(message: str):
     typer.echo(f" done ({time.perf_counter() - start:.1f} s)")
 
 
-def _parse_layers(layers: str | None) -> list[int] | None:
-    if layers is None:
+def _int_list(text: str | None, option: str, what: str, example: str) -> list[int] | None:
+    if text is None:
         return None
     try:
-        return [int(i) for i in layers.replace(" ", "").split(",") if i]
+        return [int(i) for i in text.replace(" ", "").split(",") if i]
     except ValueError:
-        raise ValueError(f"--layers must be comma-separated layer indices like 1,4,7; got {layers!r}") from None
+        raise ValueError(f"{option} must be comma-separated {what} like {example}; got {text!r}") from None
 
 
 def _default_out(model: str) -> Path:
@@ -87,7 +87,8 @@ def convert_command(
     from .plan import plan_layers
 
     try:  # check every option before a possibly long download
-        options = dict(layers=_parse_layers(layers), blocks=parse_blocks(blocks), mixing_init=float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init)
+        options = dict(layers=_int_list(layers, "--layers", "layer indices", "1,4,7"), blocks=parse_blocks(blocks),
+                       mixing_init=float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init)
         torch_dtype = parse_dtype(dtype)
         if options["layers"] is None:
             plan_layers(1, ratio=ratio, strategy=strategy)
@@ -154,6 +155,38 @@ def demo_command() -> None:
         run_demo()
     except (ValueError, OSError) as error:
         _fail(error)
+
+
+@app.command("eval")
+def eval_command(
+    model: str = typer.Argument(..., help="Model to score: alias, tiny-* model, hub id, model or checkpoint dir."),
+    reference: Optional[str] = typer.Option(None, help="The model to compare with: the base MODEL was converted from."),
+    data: str = typer.Option(..., help="synthetic, latents (.safetensors), an image/video folder, or text (LMs)."),
+    out: Path = typer.Option(..., help="Directory for eval.json and summary.md (new, empty or a previous eval's)."),
+    batch_size: int = typer.Option(4, help="Examples per batch."),
+    num_batches: int = typer.Option(8, help="Batches scored: the first batch-size × num-batches examples, in order."),
+    seed: int = typer.Option(0, help="Seeds the synthetic data, the diffusion noise and the passkey prompts."),
+    device: Optional[str] = typer.Option(None, help="cuda, cpu, … (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="Load in this dtype: bf16, fp16 or fp32."),
+    timesteps: int = typer.Option(8, help="Diffusion: timesteps per batch, spread evenly over the training schedule."),
+    passkey_lengths: str = typer.Option("256,1024,4096", help="LMs: passkey context lengths ('' for none)."),
+    tasks: Optional[str] = typer.Option(None, help="LMs: lm-eval-harness tasks, e.g. hellaswag,arc_easy."),
+    samples: Optional[bool] = typer.Option(None, "--samples/--no-samples",
+                                           help="Diffusion: compare samples with the reference (default: on)."),
+) -> None:
+    """Score MODEL (and --reference) on held-out data with the family's training loss and more; print the gap."""
+    from .evaluate import evaluate
+    from .evaluate.report import table
+
+    try:
+        result = evaluate(model, data, reference, batch_size=batch_size, num_batches=num_batches, seed=seed,
+                          out_dir=out, device=device, dtype=dtype, timesteps=timesteps, samples=samples,
+                          passkey_lengths=_int_list(passkey_lengths, "--passkey-lengths", "token counts", "256,1024"),
+                          tasks=[t for t in (tasks or "").replace(" ", "").split(",") if t])
+    except (ValueError, OSError) as error:
+        _fail(error)
+    typer.echo(table(result))
+    typer.echo(f"wrote {out / 'eval.json'} and {out / 'summary.md'}")
 
 
 def _register_training_commands() -> None:

@@ -1,0 +1,196 @@
+"""`evaluate(model, data, reference)`: how close a converted model is to its original.
+
+Both models are scored on the same held-out batches with the family's own training objective (and,
+for language models, perplexity, passkey retrieval and optionally lm-eval tasks; for diffusion
+models with a reference, a comparison of their samples). Everything is seeded, so two runs give
+identical numbers. Bad input is an `EvalError` raised before any model loads where it can be.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..train.recipe import DataSpec, ObjectiveSpec
+from . import lm, report
+from .data import batches, data_spec, held_out
+from .errors import EvalError
+from .loss import heldout_loss
+from .models import base_model, check_comparable, describe, family_of, resolve_model
+from .objective import training_objective
+
+ModelSpec = nn.Module | str | Path
+
+
+def _versions() -> dict[str, str]:
+    import diffusers
+    import transformers
+
+    from .. import __version__
+
+    return {"mhla_convert": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "diffusers": diffusers.__version__, "python": platform.python_version()}
+
+
+def _check_counts(**counts: int) -> None:
+    for name, value in counts.items():
+        if value < 1:
+            raise EvalError(f"{name} must be at least 1; got {value}")
+
+
+def _compare_samples(model, reference, *, family, out_dir, requested, num_samples, seed, steps):
+    """Sample similarity of model and reference; the comparison lives in evaluate/samples.py."""
+    try:
+        from .samples import compare_samples
+    except ModuleNotFoundError as error:
+        if error.name != f"{__package__}.samples" or requested:
+            raise
+        return {}
+    device = next(model.parameters()).device
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, seed=seed,
+                               steps=steps, device=device)
+    with tempfile.TemporaryDirectory() as scratch:  # no output directory: the sample files are not kept
+        return compare_samples(model, reference, family=family, out_dir=Path(scratch), num_samples=num_samples,
+                               seed=seed, steps=steps, device=device)
+
+
+def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device):
+    """(model, reference or None, family), refusing a reference that takes other inputs."""
+    loaded = resolve_model(model, role="model", dtype=dtype, device=device)
+    family = family_of(loaded, "model")
+    if reference is None:
+        return loaded, None, family
+    ref = resolve_model(reference, role="reference", dtype=dtype, device=device)
+    check_comparable(loaded, ref, (family, family_of(ref, "reference")))
+    return loaded, ref, family
+
+
+@dataclass
+class _Scorer:
+    """One evaluation's fixed inputs, applied to the model and the reference alike."""
+
+    family: str
+    objective: object
+    batches: list[dict]
+    seed: int
+    timesteps: int
+    passkey: list[int]
+    trials: int
+    tasks: list[str]
+    task_limit: int | None
+    tokenizer_source: str | None
+    batch_size: int
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module) -> dict[str, float]:
+        training = model.training
+        model.eval()
+        try:
+            metrics = heldout_loss(model, self.objective, self.batches, family=self.family, seed=self.seed,
+                                   num_timesteps=self.timesteps)
+            if self.family == "llama":
+                metrics.update(lm.perplexity(metrics["loss"]))
+                metrics.update(lm.passkey_accuracy(model, self.passkey, trials=self.trials, seed=self.seed))
+                if self.tasks:
+                    from ..train.components import tokenizer
+
+                    metrics.update(lm.lm_eval_scores(model, self.tasks, tokenizer=tokenizer(self.tokenizer_source),
+                                                  batch_size=self.batch_size, limit=self.task_limit, seed=self.seed))
+            return metrics
+        finally:
+            model.train(training)
+
+
+def evaluate(
+    model: ModelSpec,
+    data: str | Path | DataSpec,
+    reference: ModelSpec | None = None,
+    *,
+    batch_size: int = 4,
+    num_batches: int = 8,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    timesteps: int = 8,
+    passkey_lengths: Sequence[int] = lm.DEFAULT_PASSKEY_LENGTHS,
+    passkey_trials: int = 5,
+    tasks: Sequence[str] | None = None,
+    task_limit: int | None = None,
+    samples: bool | None = None,
+    num_samples: int = 4,
+    sample_steps: int = 20,
+    data_options: dict | None = None,
+    objective: ObjectiveSpec | None = None,
+) -> dict:
+    """Score `model` (and `reference`, on the same batches, timesteps and noise) on held-out `data`.
+
+    model, reference: an nn.Module, or what the converter loads: alias, tiny-* name, local directory
+        (a base model, or a converted checkpoint holding mhla_config.json) or hub id.
+    data: "synthetic" (the family's built-in training set for `seed`), a .safetensors file or folder of
+        latents, an image/video folder with metadata.jsonl, or text (.txt/.jsonl/.json/.parquet) for
+        LMs; or a training `DataSpec`. `data_options` sets other DataSpec fields (context_length,
+        height, components, cache_dir, …). The first batch_size × num_batches examples are used, in order.
+    timesteps: diffusion timesteps per batch, one per equal-probability stratum of the training schedule.
+    passkey_lengths, passkey_trials: the LM passkey probe (lengths above max_position_embeddings are
+        skipped; () turns it off). tasks, task_limit: lm-eval-harness tasks (needs `lm_eval`).
+    samples: compare sampled images/videos of model and reference (default: for diffusion models
+        when a reference is given); num_samples, sample_steps size that comparison.
+    out_dir: write eval.json and summary.md there (refused if it holds anything else).
+
+    Returns {"model": {metric: value}, "reference": {...}, "gap_percent": {...}, "comparison": {...},
+    "meta": {...}}; "loss" is always among the metrics.
+    """
+    _check_counts(batch_size=batch_size, num_batches=num_batches, timesteps=timesteps, passkey_trials=passkey_trials,
+                  num_samples=num_samples, sample_steps=sample_steps)
+    out = Path(out_dir).expanduser() if out_dir is not None else None
+    if out is not None:
+        report.check_out_dir(out)
+    if tasks:
+        lm.require_lm_eval()
+    num_examples = batch_size * num_batches
+    spec = data_spec(data, data_options)
+
+    loaded, ref, family = _load_models(model, reference, dtype=dtype, device=device)
+    if family != "llama" and tasks:
+        raise EvalError(f"lm-eval tasks are for language models; this is a {family} model: leave out tasks")
+    if samples and (family == "llama" or ref is None):
+        raise EvalError("sample comparison needs a diffusion model and a reference; leave out samples")
+
+    components = base_model(loaded) or (base_model(ref) if ref is not None else None)
+    columns = held_out(spec, family, loaded, num_examples=num_examples, seed=seed, components=components)
+    batch_list = batches(columns, batch_size)
+    lengths = lm.passkey_lengths(loaded, passkey_lengths) if family == "llama" else []
+    score = _Scorer(family, training_objective(family, objective), batch_list, seed=seed, timesteps=timesteps,
+                    passkey=lengths, trials=passkey_trials, tasks=list(tasks or []), task_limit=task_limit,
+                    tokenizer_source=spec.components or components, batch_size=batch_size)
+
+    result: dict = {"model": score(loaded)}
+    if ref is not None:
+        result["reference"] = score(ref)
+        result["gap_percent"] = report.gaps(result["model"], result["reference"])
+        if samples or (samples is None and family != "llama"):
+            comparison = _compare_samples(loaded, ref, family=family, out_dir=out, requested=bool(samples),
+                                          num_samples=num_samples, seed=seed, steps=sample_steps)
+            if comparison:
+                result["comparison"] = {f"sample_{k}": float(v) for k, v in comparison.items()}
+    param = next(loaded.parameters())
+    result["meta"] = {
+        "family": family, "model": describe(model), "reference": describe(reference) if ref is not None else None,
+        "data": {"kind": spec.kind, "path": spec.path}, "num_examples": len(next(iter(columns.values()))),
+        "batch_size": batch_size, "num_batches": len(batch_list), "seed": seed,
+        "timesteps_per_batch": timesteps if family != "llama" else None, "passkey_lengths": lengths,
+        "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
+        "versions": _versions(),
+    }
+    if out is not None:
+        report.write(result, out)
+    return result

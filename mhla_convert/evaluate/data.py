@@ -1,0 +1,116 @@
+"""Held-out examples for evaluation: what training accepts (the built-in synthetic set, precomputed
+latents, image/video folders, text for LMs; encoded through the training package with the same
+on-disk cache), cut to the first N examples in order and split into fixed batches."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..families import adapter_for_family
+from ..train.data import build_dataset
+from ..train.errors import TrainError
+from ..train.recipe import DataSpec
+from .errors import EvalError
+from .models import config_value
+
+TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
+# what each family's objective reads from a batch
+COLUMNS = {
+    "llama": ("input_ids",),
+    "dit": ("latents", "class_labels"),
+    "sana": ("latents", "prompt_embeds", "prompt_attention_mask"),
+    "pixart": ("latents", "prompt_embeds", "prompt_attention_mask"),
+    "wan": ("latents", "prompt_embeds"),
+}
+KIND_HINT = ("'synthetic', a .safetensors file or folder of latents, an image/video folder with metadata.jsonl, "
+             "or text (LMs)")
+
+
+def _kind_of(path: Path) -> str:
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return "latents"
+        if path.suffix in TEXT_SUFFIXES:
+            return "text"
+    elif path.is_dir():
+        if (path / "metadata.jsonl").is_file():
+            return "folder"
+        if any(path.glob("*.safetensors")):
+            return "latents"
+        if any(p.suffix in TEXT_SUFFIXES for p in path.rglob("*") if ".mhla_cache" not in p.parts):
+            return "text"
+    raise EvalError(f"cannot tell what data {path} holds; give {KIND_HINT}")
+
+
+def data_spec(data: str | Path | DataSpec, options: dict | None = None) -> DataSpec:
+    """`data` as a training DataSpec (its kind read from the path), checked before any model loads.
+    "synthetic" is the set a recipe with `data.kind: synthetic` trains on (its num_samples and the
+    seed decide every example, so the default is the recipe's)."""
+    if isinstance(data, DataSpec):
+        return data
+    fields = {f.name for f in dataclasses.fields(DataSpec)} - {"kind", "path"}
+    unknown = sorted(set(options or {}) - fields)
+    if unknown:
+        raise EvalError(f"unknown data option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
+    if str(data) == "synthetic":
+        return DataSpec(kind="synthetic", **(options or {}))
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise EvalError(f"data {path} does not exist; give {KIND_HINT}")
+    return DataSpec(kind=_kind_of(path), path=str(path), **(options or {}))
+
+
+def _check_kind(spec: DataSpec, family: str) -> None:
+    if spec.kind == "text" and family != "llama":
+        raise EvalError(f"{spec.path} is text, but a {family} model is scored on latents: give latents, "
+                        "an image/video folder or 'synthetic'")
+    if spec.kind == "folder" and family == "llama":
+        raise EvalError(f"{spec.path} is an image/video folder, but a language model is scored on text: "
+                        "give a text file or folder (.txt, .jsonl, .json, .parquet) or 'synthetic'")
+
+
+def check_fits(columns: dict[str, torch.Tensor], family: str, model: nn.Module, source: str) -> None:
+    """The data holds what the family's objective reads, in the model's shapes."""
+    missing = [c for c in COLUMNS[family] if c not in columns]
+    if family == "wan" and config_value(model, "in_channels") != config_value(model, "out_channels"):
+        missing += [] if "condition" in columns else ["condition"]  # image-to-video
+    if missing:
+        raise EvalError(f"{source} has {', '.join(sorted(columns))} but a {family} model is scored on "
+                        f"{', '.join(COLUMNS[family])}: missing {', '.join(missing)}; give data made for this family")
+    if family == "llama":
+        ids, vocab = columns["input_ids"], config_value(model, "vocab_size")
+        if ids.ndim != 2 or ids.shape[1] < 2:
+            raise EvalError(f"{source}: input_ids must be (examples, tokens) with at least 2 tokens; "
+                            f"got {tuple(ids.shape)}")
+        if int(ids.max()) >= vocab:
+            raise EvalError(f"{source} holds token ids up to {int(ids.max())} but the model's vocabulary has {vocab}: "
+                            "tokenize with the model's own tokenizer (data option components)")
+        return
+    latents = columns["latents"]
+    channels = config_value(model, "out_channels" if family == "wan" else "in_channels")
+    ndim = 5 if family == "wan" else 4
+    if latents.ndim != ndim or latents.shape[1] != channels:
+        raise EvalError(f"{source}: latents of shape {tuple(latents.shape[1:])} do not fit this {family} model, "
+                        f"which takes {channels} channels ({ndim - 1}-d per example): encode them with its own VAE")
+
+
+def held_out(spec: DataSpec, family: str, model: nn.Module, *, num_examples: int, seed: int,
+             components: str | None) -> dict[str, torch.Tensor]:
+    """The first `num_examples` examples, in order, column-wise."""
+    _check_kind(spec, family)
+    try:
+        dataset = build_dataset(spec, adapter_for_family(family), model, seed=seed, components=spec.components or components)
+    except TrainError as error:
+        raise EvalError(str(error)) from None
+    columns = {k: v[:num_examples] for k, v in dataset.columns.items()}
+    check_fits(columns, family, model, spec.path or "the synthetic data")
+    return columns
+
+
+def batches(columns: dict[str, torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    n = len(next(iter(columns.values())))
+    return [{k: v[start : start + batch_size] for k, v in columns.items()} for start in range(0, n, batch_size)]
