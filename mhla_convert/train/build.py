@@ -28,9 +28,10 @@ class Built:
         return [attention[i] for i in self.converted]
 
 
-def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
-    """`teachers=False` skips copying the original attention (rebuilding a model to load weights into)."""
-    from ..convert import PLAN_ATTR, convert
+def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = None) -> Built:
+    """`teachers=False` skips copying the original attention (rebuilding a model to load weights into);
+    `plan` (a converted model's `mhla_plan`) redoes that conversion instead of choosing layers again."""
+    from ..convert import PLAN_ATTR, apply_plan, convert
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
 
@@ -51,14 +52,34 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     if spec.family and adapter.name != spec.family:
         raise TrainError(f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} model: use a {spec.family} model or a {adapter.name} recipe")
     if spec.checkpoint:
-        plan = getattr(model, PLAN_ATTR, None) or {}
-        return Built(model, adapter, adapter.name, list(plan.get("layers", [])))
+        saved = getattr(model, PLAN_ATTR, None) or {}
+        return Built(model, adapter, adapter.name, list(saved.get("layers", [])))
     needs_teachers = teachers and any(s.name == "attention_transfer" for s in recipe.stages)
     originals = snapshot_attention(adapter, model) if needs_teachers else []
     c = recipe.conversion
     try:
-        report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks, **c.options)
+        if plan:
+            report = apply_plan(model, plan)
+        else:
+            calibration = _calibration(recipe, adapter.name, model) if c.strategy == "auto" and c.layers is None else None
+            report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
+                             attention=c.attention, calibration=calibration, **c.options)
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
     kept = [originals[i] for i in report.converted] if originals else []
     return Built(model, adapter, adapter.name, list(report.converted), kept, report)
+
+
+def _calibration(recipe: Recipe, family: str, model: nn.Module) -> list[dict]:
+    """conversion.calibration_batches batches of the recipe's own data, as model inputs. The model
+    moves to this process's device first (where it trains): scoring runs one forward per layer and batch."""
+    from accelerate import PartialState
+
+    from ..models import SOURCE_ATTR
+    from .calibration import calibration_batches
+
+    model.to(PartialState().device)
+    base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    with PartialState().main_process_first():  # one process encodes, the others read its cache
+        return calibration_batches(family, model, recipe.data, num_batches=recipe.conversion.calibration_batches,
+                                   seed=recipe.seed, objective=recipe.objective, components=recipe.data.components or base)
