@@ -69,13 +69,16 @@ def _default_out(model: str) -> Path:
 def convert_command(
     model: str = typer.Argument(..., help="Alias (see `mhla-convert list`), tiny-* model, hub id or local directory."),
     ratio: float = typer.Option(1.0, help="Fraction of self-attention layers to convert, in [0, 1]."),
-    strategy: str = typer.Option("spread", help="Which layers for a ratio: spread, first, last or auto (the least sensitive; needs --calibration)."),
-    calibration: Optional[str] = typer.Option(None, help="--strategy auto: data to measure each layer on: synthetic, latents (.safetensors), an image/video folder or text."),
+    strategy: str = typer.Option(
+        "spread", help="Which layers for a ratio: spread, first, last or auto (least sensitive; needs --calibration)."),
+    calibration: Optional[str] = typer.Option(
+        None, help="--strategy auto: data to score layers on: synthetic, latents, an image/video folder or text."),
     calibration_batches: int = typer.Option(4, help="--strategy auto: how many calibration examples (one per batch)."),
     layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
-    attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1), the baseline."),
+    attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1)."),
     blocks: Optional[str] = typer.Option(None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."),
-    mixing_init: Optional[str] = typer.Option(None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."),
+    mixing_init: Optional[str] = typer.Option(
+        None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     dtype: Optional[str] = typer.Option(None, help="Load and save in this dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
@@ -134,7 +137,8 @@ def _calibration(model, source: str, count: int) -> list[dict]:
     base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
     try:
         spec = calibration_data(source, batch_size=1, num_samples=count)
-        return calibration_batches(adapter_for_model(model).name, model, spec, num_batches=count, seed=0, components=base)
+        family = adapter_for_model(model).name
+        return calibration_batches(family, model, spec, num_batches=count, seed=0, components=base)
     except TrainError as error:
         raise ValueError(str(error)) from None
 

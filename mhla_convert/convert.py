@@ -43,7 +43,8 @@ class ConversionReport:
 
     def __str__(self) -> str:
         scored = self.sensitivity is not None
-        rows = [("layer", "attention", "blocks", "M", "native grid", "params added", *(("sensitivity",) if scored else ()))]
+        header = ("layer", "attention", "blocks", "M", "native grid", "params added")
+        rows = [(*header, *(("sensitivity",) if scored else ()))]
         by_index = {layer.index: layer for layer in self.layers}
         kind = "MHLA" if self.attention == "mhla" else self.attention
         for i in range(self.num_layers):
@@ -59,7 +60,8 @@ class ConversionReport:
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        head = f"{self.family}: {len(self.converted)} of {self.num_layers} self-attention layers -> {kind}, {self.params_added:,} parameters added"
+        head = (f"{self.family}: {len(self.converted)} of {self.num_layers} self-attention layers -> {kind}, "
+                f"{self.params_added:,} parameters added")
         return "\n".join([head, *lines])
 
 
@@ -85,7 +87,8 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     if auto and calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
     if not auto and calibration is not None:
-        raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); drop it or use strategy='auto'")
+        raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); "
+                         "drop it or use strategy='auto'")
     config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
     sensitivity = layer_sensitivity(model, calibration, config, progress=progress) if auto else None
     indices = plan_layers(num_layers, ratio=ratio, strategy=strategy, layers=layers, sensitivity=sensitivity)
@@ -114,9 +117,10 @@ def apply_plan(model: nn.Module, plan: dict[str, Any]) -> ConversionReport:
     blocks = options.pop("blocks")
     options.pop("causal")
     attention = plan.get("attention") or "mhla"
-    report = convert(model, layers=plan["layers"], blocks=None if blocks is None else tuple(blocks), attention=attention, **options)
-    sensitivity = plan.get("sensitivity")
-    sensitivity = None if sensitivity is None else {int(i): float(s) for i, s in sensitivity.items()}  # JSON keys are strings
+    blocks = None if blocks is None else tuple(blocks)
+    report = convert(model, layers=plan["layers"], blocks=blocks, attention=attention, **options)
+    sensitivity = plan.get("sensitivity")  # from JSON: layer indices as strings
+    sensitivity = None if sensitivity is None else {int(i): float(s) for i, s in sensitivity.items()}
     report.strategy, report.sensitivity = plan.get("strategy"), sensitivity
     getattr(model, PLAN_ATTR).update(strategy=report.strategy, sensitivity=sensitivity)
     return report

@@ -63,7 +63,8 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         "base_model_subfolder": source.get("subfolder"),
         "plan": {
             "num_layers": plan["num_layers"], "layers": plan["layers"], "attention": plan.get("attention", "mhla"),
-            "strategy": plan.get("strategy"), "sensitivity": plan.get("sensitivity"),  # JSON keys: layer indices as strings
+            "strategy": plan.get("strategy"),
+            "sensitivity": plan.get("sensitivity"),  # JSON keys: the layer indices as strings
         },
         "mhla": plan["mhla_config"],
         "buffer_dtypes": _unsaved_buffer_dtypes(model),

@@ -33,7 +33,8 @@ def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int,
     """blocks and options for attention='linear', refusing explicit settings that contradict it."""
     if adapter.causal:
         if options.get("window", 1) != 1:
-            raise ValueError(f"attention='linear' is MHLA with window 1; drop window={options['window']} or use attention='mhla'")
+            raise ValueError(
+                f"attention='linear' is MHLA with window 1; drop window={options['window']} or use attention='mhla'")
         return blocks, {**options, "window": 1, "mixing_init": options.get("mixing_init", "uniform")}
     ones = (1,) * len(adapter.default_blocks(model))
     if blocks is not None and tuple(blocks) != ones:
@@ -54,7 +55,8 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
         raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known - {'blocks', 'causal'})}")
     blocks = parse_blocks(blocks)
     if adapter.causal and blocks is not None:
-        raise ValueError(f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
+        raise ValueError(
+            f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
     if attention == "linear":
         blocks, mhla_options = _linear_attention(adapter, model, blocks, mhla_options)
     options = {**adapter.default_options(model), **mhla_options}
@@ -62,5 +64,6 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
         default = adapter.default_blocks(model)
         blocks = blocks or default
         if default is not None and len(blocks) != len(default):
-            raise ValueError(f"blocks must have {len(default)} axes for {adapter.name} (e.g. {'x'.join(map(str, default))}); got {blocks}")
+            example = "x".join(map(str, default))
+            raise ValueError(f"blocks must have {len(default)} axes for {adapter.name} (e.g. {example}); got {blocks}")
     return MHLAConfig(**{**options, "blocks": None if adapter.causal else blocks, "causal": adapter.causal})

@@ -45,6 +45,10 @@ def sharp_dit(tiny, layer=3):
     return model
 
 
+def auto(model, ratio, calibration, **options):
+    return mhla_convert.convert(model, ratio=ratio, strategy="auto", calibration=calibration, progress=False, **options)
+
+
 def outputs(model, batches):
     with torch.no_grad():
         out = [model(**b) for b in batches]
@@ -53,7 +57,7 @@ def outputs(model, batches):
 
 def test_decisive_lm_layer_is_ranked_first_and_kept(tiny):
     model = sharp_llama(tiny)
-    report = mhla_convert.convert(model, ratio=0.75, strategy="auto", calibration=lm_calibration(), progress=False, **LM_OPTIONS)
+    report = auto(model, 0.75, lm_calibration(), **LM_OPTIONS)
     assert sorted(report.sensitivity) == [0, 1, 2, 3]
     assert max(report.sensitivity, key=report.sensitivity.get) == 2
     assert report.converted == [0, 1, 3]
@@ -64,7 +68,7 @@ def test_decisive_lm_layer_is_ranked_first_and_kept(tiny):
 
 def test_decisive_diffusion_layer_is_ranked_first_and_kept(tiny):
     model = sharp_dit(tiny)
-    report = mhla_convert.convert(model, ratio=0.75, strategy="auto", calibration=dit_calibration(model), progress=False)
+    report = auto(model, 0.75, dit_calibration(model))
     assert max(report.sensitivity, key=report.sensitivity.get) == 3
     assert 3 not in report.converted and len(report.converted) == round(0.75 * 6)
 
@@ -77,17 +81,19 @@ def test_scoring_leaves_the_model_unchanged(tiny, name):
     adapter.prepare(model)  # installs the token-grid hook once; it does not change outputs
     before, modules = outputs(model, batches), list(adapter.attention_modules(model))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    scores = layer_sensitivity(model, batches, resolve_config(adapter, model, **(LM_OPTIONS if adapter.causal else {})), progress=False)
+    config = resolve_config(adapter, model, **(LM_OPTIONS if adapter.causal else {}))
+    scores = layer_sensitivity(model, batches, config, progress=False)
     assert len(scores) == len(modules)
     assert all(now is was for now, was in zip(adapter.attention_modules(model), modules))
     assert all(torch.equal(a, b) for a, b in zip(outputs(model, batches), before))
-    assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
     assert not getattr(model, "mhla_plan", None)
 
 
 def test_scores_are_deterministic(tiny):
-    first = mhla_convert.convert(sharp_llama(tiny), ratio=0.5, strategy="auto", calibration=lm_calibration(), progress=False, **LM_OPTIONS)
-    second = mhla_convert.convert(sharp_llama(tiny), ratio=0.5, strategy="auto", calibration=lm_calibration(), progress=False, **LM_OPTIONS)
+    first = auto(sharp_llama(tiny), 0.5, lm_calibration(), **LM_OPTIONS)
+    second = auto(sharp_llama(tiny), 0.5, lm_calibration(), **LM_OPTIONS)
     assert first.sensitivity == second.sensitivity and first.converted == second.converted
 
 
@@ -103,13 +109,13 @@ def test_auto_needs_calibration_data(tiny):
 def test_saved_checkpoint_records_the_scores_and_reload_does_not_rescore(tiny, tmp_path, monkeypatch):
     model = sharp_llama(tiny)
     batches = lm_calibration()
-    report = mhla_convert.convert(model, ratio=0.75, strategy="auto", calibration=batches, progress=False, **LM_OPTIONS)
+    report = auto(model, 0.75, batches, **LM_OPTIONS)
     mhla_convert.save_pretrained(model, tmp_path / "ckpt")
     plan = json.loads((tmp_path / "ckpt" / "mhla_config.json").read_text())["plan"]
     assert plan["strategy"] == "auto" and plan["layers"] == [0, 1, 3]
     assert {int(i): s for i, s in plan["sensitivity"].items()} == report.sensitivity
 
-    monkeypatch.setattr(CONVERT, "layer_sensitivity", lambda *a, **k: pytest.fail("reloading must not score the layers again"))
+    monkeypatch.setattr(CONVERT, "layer_sensitivity", lambda *a, **k: pytest.fail("a reload must not score again"))
     reloaded = mhla_convert.from_pretrained(tmp_path / "ckpt")
     assert reloaded.mhla_plan["strategy"] == "auto" and reloaded.mhla_plan["sensitivity"] == report.sensitivity
     assert reloaded.mhla_plan["layers"] == [0, 1, 3]

@@ -61,7 +61,8 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
         if plan:
             report = apply_plan(model, plan)
         else:
-            calibration = _calibration(recipe, adapter.name, model) if c.strategy == "auto" and c.layers is None else None
+            auto = c.strategy == "auto" and c.layers is None
+            calibration = _calibration(recipe, adapter.name, model) if auto else None
             report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
                              attention=c.attention, calibration=calibration, **c.options)
     except ValueError as exc:
@@ -82,4 +83,5 @@ def _calibration(recipe: Recipe, family: str, model: nn.Module) -> list[dict]:
     base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
     with PartialState().main_process_first():  # one process encodes, the others read its cache
         return calibration_batches(family, model, recipe.data, num_batches=recipe.conversion.calibration_batches,
-                                   seed=recipe.seed, objective=recipe.objective, components=recipe.data.components or base)
+                                   seed=recipe.seed, objective=recipe.objective,
+                                   components=recipe.data.components or base)

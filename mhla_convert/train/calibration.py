@@ -60,14 +60,16 @@ def calibration_batches(family: str, model, spec: DataSpec, *, num_batches: int,
     dataset = build_dataset(spec, family, model, seed=seed, components=components)
     num_batches = min(num_batches, len(dataset) // spec.batch_size)
     if num_batches < 1:
-        raise TrainError(f"calibration needs at least data.batch_size ({spec.batch_size}) examples; the data has {len(dataset)}")
+        raise TrainError(f"calibration needs at least data.batch_size ({spec.batch_size}) examples; "
+                         f"the data has {len(dataset)}")
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(dataset), generator=generator).tolist()
     weight = next(model.parameters())
     batches = []
     for b in range(num_batches):
         examples = default_collate([dataset[i] for i in order[b * spec.batch_size:(b + 1) * spec.batch_size]])
-        examples = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else None) for k, v in examples.items()}
+        examples = {k: v.to(weight.device, weight.dtype if v.is_floating_point() else None)
+                    for k, v in examples.items()}
         batches.append(model_inputs(family, model, examples, generator, objective))
     return batches
 

@@ -278,7 +278,8 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
             raise ctx.fail("conversion.ratio", _line(raw, "conversion", "ratio"), f"must be in [0, 1]; got {recipe.conversion.ratio}")
         if recipe.conversion.calibration_batches < 1:
-            raise ctx.fail("conversion.calibration_batches", _line(raw, "conversion", "calibration_batches"), "must be ≥ 1")
+            where = _line(raw, "conversion", "calibration_batches")
+            raise ctx.fail("conversion.calibration_batches", where, "must be ≥ 1")
     d = recipe.data
     if d.kind != "synthetic" and not d.path:
         raise ctx.fail("data.path", _line(raw, "data"), f"data.kind {d.kind!r} needs data.path (a directory or file)")
