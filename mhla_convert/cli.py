@@ -74,6 +74,7 @@ def convert_command(
     calibration: Optional[str] = typer.Option(
         None, help="--strategy auto: data to score layers on: synthetic, latents, an image/video folder or text."),
     calibration_batches: int = typer.Option(4, help="--strategy auto: how many calibration examples (one per batch)."),
+    fit_steps: int = typer.Option(0, help="--strategy auto: Adam steps fitting each layer to its original first."),
     layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
     attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1)."),
     blocks: Optional[str] = typer.Option(None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."),
@@ -93,7 +94,8 @@ def convert_command(
     from .plan import AUTO_NEEDS_CALIBRATION, check_selection
 
     try:  # check every option before a possibly long download
-        options = dict(layers=_parse_layers(layers), blocks=parse_blocks(blocks), attention=attention)
+        options = dict(layers=_parse_layers(layers), blocks=parse_blocks(blocks), attention=attention,
+                       fit_steps=fit_steps)
         if mixing_init is not None:
             options["mixing_init"] = float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init
         torch_dtype = parse_dtype(dtype)
@@ -106,6 +108,10 @@ def convert_command(
             raise ValueError(AUTO_NEEDS_CALIBRATION)
         if calibration is not None and not auto:
             raise ValueError("--calibration is for --strategy auto (without --layers); drop it or add --strategy auto")
+        if fit_steps and not auto:
+            raise ValueError("--fit-steps is for --strategy auto (without --layers); drop it or add --strategy auto")
+        if fit_steps < 0:
+            raise ValueError(f"--fit-steps must be >= 0; got {fit_steps}")
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
         source = resolve(model, revision=revision)

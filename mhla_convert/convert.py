@@ -66,13 +66,14 @@ class ConversionReport:
 
 
 def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None,
-            attention: str = "mhla", calibration: Iterable[dict[str, Any]] | None = None, progress: bool = True,
-            **mhla_options) -> ConversionReport:
+            attention: str = "mhla", calibration: Iterable[dict[str, Any]] | None = None, fit_steps: int = 0,
+            progress: bool = True, **mhla_options) -> ConversionReport:
     """Convert `model`'s self-attention layers to MHLA in place and return a report.
 
     ratio / strategy / layers choose the layers (see `plan.plan_layers`); strategy "auto" scores
     every layer on `calibration` (batches of keyword inputs for `model(**batch)`, see
-    `sensitivity.layer_sensitivity`; `progress` shows its progress bar) and converts the least
+    `sensitivity.layer_sensitivity`: `fit_steps` > 0 fits each scored layer briefly first, `progress`
+    shows a progress bar) and converts the least
     sensitive ones. attention "linear" is plain linear attention (M = 1, see `options`); blocks
     overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
     fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
@@ -89,8 +90,12 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     if not auto and calibration is not None:
         raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); "
                          "drop it or use strategy='auto'")
+    if not auto and fit_steps:
+        raise ValueError("fit_steps only fits layers while strategy 'auto' scores them; drop it or use strategy='auto'")
     config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
-    sensitivity = layer_sensitivity(model, calibration, config, progress=progress) if auto else None
+    sensitivity = None
+    if auto:
+        sensitivity = layer_sensitivity(model, calibration, config, fit_steps=fit_steps, progress=progress)
     indices = plan_layers(num_layers, ratio=ratio, strategy=strategy, layers=layers, sensitivity=sensitivity)
 
     chosen_by = "explicit" if layers is not None else strategy

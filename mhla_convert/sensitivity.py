@@ -10,6 +10,12 @@ very object, so the model is exactly as before). Scores:
 
 Cost: one reference forward per calibration batch, then one forward per layer and batch.
 `strategy="auto"` (plan.py) keeps the highest-scoring layers as softmax.
+
+Optionally (`fit_steps` > 0) each converted layer first takes a few Adam steps fitting its mixing
+and q/k projections to the original layer's output on the calibration inputs, so the score says
+how far the layer stays from its original after a short transfer rather than at initialisation.
+Each step runs the model only up to that layer. The fit changes the scoring copy alone: the
+conversion itself starts from the original weights.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ from tqdm.auto import tqdm
 
 from .families import adapter_for_model
 from .layer import MHLAConfig
+from .mixing import clamp_mixing_
 from .plan import AUTO_NEEDS_CALIBRATION
 
+FIT_LR = 1e-3
+FIT_PARAMETERS = ("mixing", "to_q.", "to_k.", "out_norm.")  # the new parameters and the q/k projections
 EMPTY_CALIBRATION = "calibration is empty: give at least one batch of model inputs (a dict for model(**batch))"
 
 
@@ -61,6 +70,45 @@ def _slot(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str]:
     raise ValueError(f"{type(module).__name__} is not a submodule of the model")
 
 
+class _Reached(Exception):
+    pass
+
+
+def _inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
+    """The args and kwargs `layer` gets when `model` runs `batch`; the forward stops there."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen["call"] = args, kwargs
+        raise _Reached
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**batch)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    args, kwargs = seen["call"]
+    # a generation cache belongs to the forward that made it; the fit calls the layers outside it
+    return args, {k: v for k, v in kwargs.items() if k != "past_key_values"}
+
+
+def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps: int, lr: float) -> None:
+    """`steps` Adam steps on `layer`'s FIT_PARAMETERS towards `original`'s output on the same inputs."""
+    params = [p for name, p in layer.named_parameters() if name.startswith(FIT_PARAMETERS) and p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    for step in range(steps):
+        args, kwargs = _inputs_of(model, layer, batches[step % len(batches)])
+        target = _main_output(original(*args, **kwargs)).float()
+        with torch.enable_grad():
+            loss = F.mse_loss(_main_output(layer(*args, **kwargs)).float(), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        optimizer.step()
+        clamp_mixing_(layer)
+
+
 def _batches(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     if calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
@@ -75,13 +123,16 @@ def _batches(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @torch.no_grad()
 def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], config: MHLAConfig, *,
-                      progress: bool = True) -> dict[int, float]:
+                      fit_steps: int = 0, fit_lr: float = FIT_LR, progress: bool = True) -> dict[int, float]:
     """Score every self-attention layer of an unconverted `model`: {layer index: output change}.
 
     `calibration`: batches of keyword inputs for `model(**batch)` (for diffusion transformers with
     a timestep, e.g. the family adapter's `example_inputs`); `config`: the MHLA options each layer is
-    converted with (`options.resolve_config`). The model runs in eval mode and is left unchanged.
+    converted with (`options.resolve_config`); `fit_steps` / `fit_lr`: the optional short fit of each
+    converted layer before it is scored. The model runs in eval mode and is left unchanged.
     """
+    if not isinstance(fit_steps, int) or fit_steps < 0:
+        raise ValueError(f"fit_steps must be a whole number ≥ 0 (0: no fit); got {fit_steps!r}")
     batches = _batches(calibration)
     adapter = adapter_for_model(model)
     adapter.prepare(model)  # the token-grid hook converted diffusers layers read; outputs unchanged
@@ -96,7 +147,9 @@ def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], c
             parent, attr = _slot(model, originals[index])
             setattr(parent, attr, copy.deepcopy(originals[index]))  # conversion moves the copy's weights
             try:
-                adapter.convert_layer(model, index, config)
+                layer = adapter.convert_layer(model, index, config)
+                if fit_steps:
+                    _fit(model, layer, originals[index], batches, fit_steps, fit_lr)
                 changes = [output_change(ref, _main_output(model(**batch)), causal=adapter.causal, attention_mask=mask)
                            for batch, ref, mask in zip(batches, references, masks)]
             finally:

@@ -168,3 +168,20 @@ def test_recipe_auto_draws_calibration_from_its_data_and_rebuilds_reuse_the_plan
     monkeypatch.setattr(CONVERT, "layer_sensitivity", lambda *a, **k: pytest.fail("rebuilds must reuse the plan"))
     rebuilt = build_model(recipe, teachers=False, plan=built.model.mhla_plan)
     assert rebuilt.converted == built.converted and rebuilt.model.mhla_plan["sensitivity"] == built.report.sensitivity
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-dit"])
+def test_a_short_fit_before_scoring_brings_layers_closer_and_leaves_the_model_alone(tiny, name):
+    model = sharp_llama(tiny) if name == "tiny-llama" else sharp_dit(tiny)
+    batches = lm_calibration() if name == "tiny-llama" else dit_calibration(model)
+    adapter = adapter_for_model(model)
+    adapter.prepare(model)
+    config = resolve_config(adapter, model, **(LM_OPTIONS if adapter.causal else {}))
+    before = outputs(model, batches)
+    plain = layer_sensitivity(model, batches, config, progress=False)
+    fitted = layer_sensitivity(model, batches, config, fit_steps=10, fit_lr=1e-2, progress=False)
+    assert sum(fitted.values()) < sum(plain.values())
+    assert all(torch.equal(a, b) for a, b in zip(outputs(model, batches), before))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="fit_steps only"):
+        mhla_convert.convert(model, ratio=0.5, fit_steps=2)
