@@ -29,7 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .families import adapter_for_model
-from .layer import MHLAConfig
+from .layer import MHLAConfig, MHLAttention
 from .mixing import clamp_mixing_
 from .plan import AUTO_NEEDS_CALIBRATION
 
@@ -135,6 +135,8 @@ def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], c
         raise ValueError(f"fit_steps must be a whole number ≥ 0 (0: no fit); got {fit_steps!r}")
     batches = _batches(calibration)
     adapter = adapter_for_model(model)
+    if any(isinstance(m, MHLAttention) for m in adapter.attention_modules(model)):
+        raise ValueError("layer_sensitivity scores the layers of an unconverted model; this one has MHLA layers")
     adapter.prepare(model)  # the token-grid hook converted diffusers layers read; outputs unchanged
     masks = [b.get("attention_mask") if adapter.causal else None for b in batches]
     training = model.training

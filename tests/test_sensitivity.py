@@ -185,3 +185,11 @@ def test_a_short_fit_before_scoring_brings_layers_closer_and_leaves_the_model_al
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="fit_steps only"):
         mhla_convert.convert(model, ratio=0.5, fit_steps=2)
+
+
+def test_a_converted_model_is_not_scored(tiny):
+    model = tiny("tiny-llama")
+    mhla_convert.convert(model, ratio=0.5)
+    adapter = adapter_for_model(model)
+    with pytest.raises(ValueError, match="unconverted model"):
+        layer_sensitivity(model, lm_calibration(1), resolve_config(adapter, model), progress=False)
