@@ -69,10 +69,17 @@ def _default_out(model: str) -> Path:
 def convert_command(
     model: str = typer.Argument(..., help="Alias (see `mhla-convert list`), tiny-* model, hub id or local directory."),
     ratio: float = typer.Option(1.0, help="Fraction of self-attention layers to convert, in [0, 1]."),
-    strategy: str = typer.Option("spread", help="Which layers for a ratio: spread, first or last."),
+    strategy: str = typer.Option(
+        "spread", help="Which layers for a ratio: spread, first, last or auto (least sensitive; needs --calibration)."),
+    calibration: Optional[str] = typer.Option(
+        None, help="--strategy auto: data to score layers on: synthetic, latents, an image/video folder or text."),
+    calibration_batches: int = typer.Option(4, help="--strategy auto: how many calibration examples (one per batch)."),
+    fit_steps: int = typer.Option(0, help="--strategy auto: Adam steps fitting each layer to its original first."),
     layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
+    attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1)."),
     blocks: Optional[str] = typer.Option(None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."),
-    mixing_init: str = typer.Option("locality", help="Mixing init: locality, uniform or a blend weight in [0, 1]."),
+    mixing_init: Optional[str] = typer.Option(
+        None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     dtype: Optional[str] = typer.Option(None, help="Load and save in this dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
@@ -83,18 +90,37 @@ def convert_command(
     from .convert import convert, parse_blocks
     from .io import save_pretrained
     from .models import load_source, resolve
+    from .options import ATTENTIONS
     from .placement import parse_dtype
-    from .plan import plan_layers
+    from .plan import AUTO_NEEDS_CALIBRATION, check_selection
 
     try:  # check every option before a possibly long download
         options = dict(layers=_int_list(layers, "--layers", "layer indices", "1,4,7"), blocks=parse_blocks(blocks),
-                       mixing_init=float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init)
+                       attention=attention, fit_steps=fit_steps)
+        if mixing_init is not None:
+            options["mixing_init"] = float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init
         torch_dtype = parse_dtype(dtype)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
+        auto = options["layers"] is None and strategy == "auto"
         if options["layers"] is None:
-            plan_layers(1, ratio=ratio, strategy=strategy)
+            check_selection(ratio, strategy)
+        if auto and calibration is None:
+            raise ValueError(AUTO_NEEDS_CALIBRATION)
+        if calibration is not None and not auto:
+            raise ValueError("--calibration is for --strategy auto (without --layers); drop it or add --strategy auto")
+        if fit_steps and not auto:
+            raise ValueError("--fit-steps is for --strategy auto (without --layers); drop it or add --strategy auto")
+        if fit_steps < 0:
+            raise ValueError(f"--fit-steps must be >= 0; got {fit_steps}")
+        if calibration_batches < 1:
+            raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
         source = resolve(model, revision=revision)
         with _step(f"loading {source.describe()}"):
             base = load_source(source, torch_dtype=torch_dtype)
+        if auto:
+            with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
+                options["calibration"] = _calibration(base, calibration, calibration_batches)
         with _step("converting"):
             report = convert(base, ratio=ratio, strategy=strategy, **options)
         typer.echo(str(report))
@@ -106,6 +132,21 @@ def convert_command(
             _push(saved, push, private)
     except (ValueError, OSError) as error:  # UnsupportedModelError is a ValueError; hub errors are OSErrors
         _fail(error)
+
+
+def _calibration(model, source: str, count: int) -> list[dict]:
+    """`count` single-example batches of model inputs from `source` (fixed seed: the selection is repeatable)."""
+    from .families import adapter_for_model
+    from .locations import SOURCE_ATTR
+    from .train.calibration import calibration_batches, calibration_data
+    from .train.errors import TrainError
+
+    base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    try:
+        spec = calibration_data(source, batch_size=1, num_samples=count)
+        return calibration_batches(adapter_for_model(model), model, spec, num_batches=count, seed=0, components=base)
+    except TrainError as error:
+        raise ValueError(str(error)) from None
 
 
 def _push(directory: Path, repo_id: str, private: bool) -> None:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from torch import nn
 
 from .families import adapter_for_model
-from .layer import MHLAConfig
-from .plan import plan_layers
+from .options import parse_blocks, resolve_config
+from .plan import AUTO_NEEDS_CALIBRATION, check_selection, plan_layers
+from .sensitivity import layer_sensitivity
+
+__all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "convert", "parse_blocks"]
 
 PLAN_ATTR = "mhla_plan"  # set on a converted model: everything save/reload needs to redo it
 
@@ -31,82 +33,99 @@ class ConversionReport:
     converted: list[int]
     layers: list[LayerReport] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    attention: str = "mhla"
+    strategy: str | None = None  # how the layers were chosen; "explicit" for a layers list
+    sensitivity: dict[int, float] | None = None  # strategy "auto": every layer's score (sensitivity.py)
 
     @property
     def params_added(self) -> int:
         return sum(layer.params_added for layer in self.layers)
 
     def __str__(self) -> str:
-        rows = [("layer", "attention", "blocks", "M", "native grid", "params added")]
+        scored = self.sensitivity is not None
+        header = ("layer", "attention", "blocks", "M", "native grid", "params added")
+        rows = [(*header, *(("sensitivity",) if scored else ()))]
         by_index = {layer.index: layer for layer in self.layers}
+        kind = "MHLA" if self.attention == "mhla" else self.attention
         for i in range(self.num_layers):
+            score = (f"{self.sensitivity[i]:.4g}",) if scored else ()
             layer = by_index.get(i)
             if layer is None:
-                rows.append((str(i), "softmax (kept)", "", "", "", ""))
+                rows.append((str(i), "softmax (kept)", "", "", "", "", *score))
                 continue
             blocks = "x".join(map(str, layer.blocks)) if layer.blocks else f"chunk {self.config.get('chunk_size')}"
             m = str(math.prod(layer.blocks)) if layer.blocks else "-"
             grid = "x".join(map(str, layer.grid)) if layer.grid else "any"
-            rows.append((str(i), "MHLA", blocks, m, grid, f"{layer.params_added:,}"))
+            rows.append((str(i), kind, blocks, m, grid, f"{layer.params_added:,}", *score))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        head = f"{self.family}: {len(self.converted)} of {self.num_layers} self-attention layers -> MHLA, {self.params_added:,} parameters added"
+        head = (f"{self.family}: {len(self.converted)} of {self.num_layers} self-attention layers -> {kind}, "
+                f"{self.params_added:,} parameters added")
         return "\n".join([head, *lines])
 
 
-def parse_blocks(blocks) -> tuple[int, ...] | None:
-    if blocks is None or isinstance(blocks, tuple):
-        return blocks
-    if isinstance(blocks, str):
-        try:
-            return tuple(int(b) for b in blocks.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"blocks must look like '4x4' or '7x3x5'; got {blocks!r}") from None
-    return tuple(int(b) for b in blocks)
-
-
-def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None, **mhla_options) -> ConversionReport:
+def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None,
+            attention: str = "mhla", calibration: Iterable[dict[str, Any]] | None = None, fit_steps: int = 0,
+            progress: bool = True, **mhla_options) -> ConversionReport:
     """Convert `model`'s self-attention layers to MHLA in place and return a report.
 
-    ratio / strategy / layers choose the layers (see `plan.plan_layers`); blocks overrides the
-    family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig` fields.
-    Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
+    ratio / strategy / layers choose the layers (see `plan.plan_layers`); strategy "auto" scores
+    every layer on `calibration` (batches of keyword inputs for `model(**batch)`, see
+    `sensitivity.layer_sensitivity`: `fit_steps` > 0 fits each scored layer briefly first, `progress`
+    shows a progress bar) and converts the least
+    sensitive ones. attention "linear" is plain linear attention (M = 1, see `options`); blocks
+    overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
+    fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
     """
     adapter = adapter_for_model(model)
     if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
         raise ValueError("this model is already converted; load the original to convert it again")
-    attention = adapter.attention_modules(model)
-    indices = plan_layers(len(attention), ratio=ratio, strategy=strategy, layers=layers)
-    options = {**adapter.default_options(model), **mhla_options}
-    known = {f.name for f in dataclasses.fields(MHLAConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known - {'blocks', 'causal'})}")
-    blocks = parse_blocks(blocks)
-    if adapter.causal and blocks is not None:
-        raise ValueError(f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
-    if not adapter.causal:
-        default = adapter.default_blocks(model)
-        blocks = blocks or default
-        if default is not None and len(blocks) != len(default):
-            raise ValueError(f"blocks must have {len(default)} axes for {adapter.name} (e.g. {'x'.join(map(str, default))}); got {blocks}")
-    config = MHLAConfig(**{**options, "blocks": None if adapter.causal else blocks, "causal": adapter.causal})
+    num_layers = len(adapter.attention_modules(model))
+    if layers is None:
+        check_selection(ratio, strategy)
+    auto = layers is None and strategy == "auto"
+    if auto and calibration is None:
+        raise ValueError(AUTO_NEEDS_CALIBRATION)
+    if not auto and calibration is not None:
+        raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); "
+                         "drop it or use strategy='auto'")
+    if not auto and fit_steps:
+        raise ValueError("fit_steps only fits layers while strategy 'auto' scores them; drop it or use strategy='auto'")
+    config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
+    sensitivity = None
+    if auto:
+        sensitivity = layer_sensitivity(model, calibration, config, fit_steps=fit_steps, progress=progress)
+    indices = plan_layers(num_layers, ratio=ratio, strategy=strategy, layers=layers, sensitivity=sensitivity)
 
-    report = ConversionReport(adapter.name, len(attention), indices, config=config.to_dict())
+    chosen_by = "explicit" if layers is not None else strategy
+    report = ConversionReport(adapter.name, num_layers, indices, config=config.to_dict(), attention=attention,
+                              strategy=chosen_by, sensitivity=sensitivity)
     if indices:
         adapter.prepare(model)
     for i in indices:
         new = adapter.convert_layer(model, i, config)
         added = sum(p.numel() for n, p in new.named_parameters() if n == "mixing" or n.startswith("out_norm"))
         report.layers.append(LayerReport(i, config.blocks, adapter.native_grid(model), added))
-    setattr(model, PLAN_ATTR, {"family": adapter.name, "num_layers": len(attention), "layers": indices, "mhla_config": config.to_dict()})
+    setattr(model, PLAN_ATTR, {
+        "family": adapter.name, "num_layers": num_layers, "layers": indices, "mhla_config": config.to_dict(),
+        "attention": attention, "strategy": chosen_by, "sensitivity": sensitivity,
+    })
     return report
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Any]) -> ConversionReport:
-    """Redo a saved conversion (`model.mhla_plan`) on a freshly built base model."""
+    """Redo a saved conversion (`model.mhla_plan`) on a freshly built base model: the saved layer
+    list, never a new selection. Plans saved before strategy / sensitivity / attention were
+    recorded load with those unknown (None) and attention "mhla"."""
     options = dict(plan["mhla_config"])
     blocks = options.pop("blocks")
     options.pop("causal")
-    return convert(model, layers=plan["layers"], blocks=None if blocks is None else tuple(blocks), **options)
+    attention = plan.get("attention") or "mhla"
+    blocks = None if blocks is None else tuple(blocks)
+    report = convert(model, layers=plan["layers"], blocks=blocks, attention=attention, **options)
+    sensitivity = plan.get("sensitivity")  # from JSON: layer indices as strings
+    sensitivity = None if sensitivity is None else {int(i): float(s) for i, s in sensitivity.items()}
+    report.strategy, report.sensitivity = plan.get("strategy"), sensitivity
+    getattr(model, PLAN_ATTR).update(strategy=report.strategy, sensitivity=sensitivity)
+    return report

@@ -47,7 +47,11 @@ def model_card(directory, repo_id: str) -> ModelCard:
         tags=["mhla", "linear-attention", meta["family"], meta["library"]],
     )
     plan, mhla = meta["plan"], meta["mhla"]
-    options = {"family": meta["family"], "converted layers": ", ".join(map(str, plan["layers"])) or "none", **mhla}
+    options = {"family": meta["family"], "attention": plan.get("attention", "mhla"),
+               "converted layers": ", ".join(map(str, plan["layers"])) or "none"}
+    if plan.get("strategy"):
+        options["layers chosen by"] = plan["strategy"]
+    options.update(mhla)
     return ModelCard(CARD_TEMPLATE.format(
         card_data=data.to_yaml(), repo_id=repo_id, version=meta["mhla_convert_version"],
         base_line=f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base or meta['model_class']}`",

@@ -7,7 +7,9 @@ then load the state dict strictly with `assign=True`. A checkpoint directory hol
 
     config.json          the base model's own config (family detection, `adapter.build`)
     model*.safetensors   the weights, sharded above `max_shard_size` (+ model.safetensors.index.json)
-    mhla_config.json     family, base model, the plan, every MHLA option, package version
+    mhla_config.json     family, base model, the plan (layers, attention kind, how the layers were
+                         chosen and, for strategy "auto", every layer's sensitivity), every MHLA
+                         option, package version
 
 Writes are atomic: everything goes to a temporary sibling directory, `mhla_config.json` last, and
 only a complete directory is renamed into place.
@@ -60,7 +62,11 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         "base_model": source.get("base_model"),
         "base_model_revision": source.get("revision"),
         "base_model_subfolder": source.get("subfolder"),
-        "plan": {"num_layers": plan["num_layers"], "layers": plan["layers"]},
+        "plan": {
+            "num_layers": plan["num_layers"], "layers": plan["layers"], "attention": plan.get("attention", "mhla"),
+            "strategy": plan.get("strategy"),
+            "sensitivity": plan.get("sensitivity"),  # JSON keys: the layer indices as strings
+        },
         "mhla": plan["mhla_config"],
         "buffer_dtypes": _unsaved_buffer_dtypes(model),
     }

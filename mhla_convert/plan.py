@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-STRATEGIES = ("spread", "first", "last")
+STRATEGIES = ("spread", "first", "last", "auto")
+
+AUTO_NEEDS_CALIBRATION = (
+    "strategy 'auto' ranks the layers by how much converting each one changes the model's output, so it needs "
+    "calibration data: pass calibration=[model input dicts, ...] (CLI: --calibration synthetic or a data path; "
+    "recipes: conversion.calibration_batches), or pick strategy spread, first or last"
+)
 
 
-def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread", layers=None) -> list[int]:
+def check_selection(ratio: float, strategy: str) -> None:
+    """Refuse a ratio outside [0, 1] or an unknown strategy (before any expensive step)."""
+    if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1] (the fraction of layers to convert); got {ratio!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {strategy!r}")
+
+
+def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread", layers=None,
+                sensitivity: dict[int, float] | None = None) -> list[int]:
     """Sorted indices of the layers to convert.
 
     `spread` converts k = round(ratio·L) layers and keeps softmax at floor(j·L/(L−k)),
     j = 0 … L−k−1 — for 30 layers at ratio 2/3 that keeps 0, 3, …, 27 (the published Wan hybrid).
-    `first` / `last` convert the first / last k; an explicit `layers` list wins over all.
+    `first` / `last` convert the first / last k; `auto` converts the k layers with the lowest
+    `sensitivity` (see sensitivity.py; ties go to the lower index); an explicit `layers` list wins over all.
     """
     if layers is not None:
         chosen = sorted({int(i) for i in layers})
@@ -18,11 +34,15 @@ def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread"
         if bad:
             raise ValueError(f"layer indices {bad} out of range: the model has {num_layers} layers (0 … {num_layers - 1})")
         return chosen
-    if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1] (the fraction of layers to convert); got {ratio!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {strategy!r}")
+    check_selection(ratio, strategy)
     k = round(ratio * num_layers)
+    if strategy == "auto":
+        if sensitivity is None:
+            raise ValueError(AUTO_NEEDS_CALIBRATION)
+        missing = sorted(set(range(num_layers)) - set(sensitivity))
+        if missing:
+            raise ValueError(f"sensitivity has no score for layers {missing}; score every layer (layer_sensitivity)")
+        return sorted(sorted(range(num_layers), key=lambda i: (sensitivity[i], i))[:k])
     if strategy == "first":
         return list(range(k))
     if strategy == "last":

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ..families import UnsupportedModelError, adapter_for_model
-from ..models import SOURCE_ATTR, cast_model, load_model, parse_dtype
+from ..locations import SOURCE_ATTR
+from ..models import load_model
+from ..placement import cast_model, parse_dtype
 from .errors import EvalError
 
 # config keys that fix what a model takes in and puts out: two models compared must agree on them

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models import SOURCE_ATTR
+from ..locations import SOURCE_ATTR
 from .image_metrics import clip_score, fid, psnr, resolve_clip_model, resolve_fid_weights, ssim
 
 FAMILIES = ("sana", "wan", "dit", "pixart")

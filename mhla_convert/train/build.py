@@ -25,9 +25,10 @@ class Built:
         return [attention[i] for i in self.converted]
 
 
-def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
-    """`teachers=False` skips copying the original attention (rebuilding a model to load weights into)."""
-    from ..convert import PLAN_ATTR, convert
+def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = None) -> Built:
+    """`teachers=False` skips copying the original attention (rebuilding a model to load weights into);
+    `plan` (a converted model's `mhla_plan`) redoes that conversion instead of choosing layers again."""
+    from ..convert import PLAN_ATTR, apply_plan, convert
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
 
@@ -54,8 +55,30 @@ def build_model(recipe: Recipe, *, teachers: bool = True) -> Built:
     originals = snapshot_attention(adapter, model) if needs_teachers else []
     c = recipe.conversion
     try:
-        report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks, **c.options)
+        if plan:
+            report = apply_plan(model, plan)
+        else:
+            auto = c.strategy == "auto" and c.layers is None
+            calibration = _calibration(recipe, adapter, model) if auto else None
+            report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
+                             attention=c.attention, calibration=calibration, **c.options)
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
     kept = [originals[i] for i in report.converted] if originals else []
     return Built(model, adapter, list(report.converted), kept, report)
+
+
+def _calibration(recipe: Recipe, adapter, model: nn.Module) -> list[dict]:
+    """conversion.calibration_batches batches of the recipe's own data, as model inputs. The model
+    moves to this process's device first (where it trains): scoring runs one forward per layer and batch."""
+    from accelerate import PartialState
+
+    from ..locations import SOURCE_ATTR
+    from .calibration import calibration_batches
+
+    model.to(PartialState().device)
+    base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    with PartialState().main_process_first():  # one process encodes, the others read its cache
+        return calibration_batches(adapter, model, recipe.data, num_batches=recipe.conversion.calibration_batches,
+                                   seed=recipe.seed, objective=recipe.objective,
+                                   components=recipe.data.components or base)

@@ -34,9 +34,11 @@ class ModelSpec:
 @dataclass
 class ConversionSpec:
     ratio: float = 1.0
-    strategy: Literal["spread", "first", "last"] = "spread"
+    strategy: Literal["spread", "first", "last", "auto"] = "spread"
     layers: list[int] | None = None
     blocks: str | list[int] | None = None
+    attention: Literal["mhla", "linear"] = "mhla"
+    calibration_batches: int = 4  # strategy auto: batches of the recipe's data that score the layers
     options: dict = field(default_factory=dict)  # MHLAConfig fields
 
 
@@ -296,6 +298,9 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
                 raise ctx.fail(f"conversion.options.{key}", _line(raw, "conversion", "options", key), f"unknown MHLA option; allowed: {', '.join(sorted(known))}")
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
             raise ctx.fail("conversion.ratio", _line(raw, "conversion", "ratio"), f"must be in [0, 1]; got {recipe.conversion.ratio}")
+        if recipe.conversion.calibration_batches < 1:
+            where = _line(raw, "conversion", "calibration_batches")
+            raise ctx.fail("conversion.calibration_batches", where, "must be ≥ 1")
     d = recipe.data
     if d.kind != "synthetic" and not d.path:
         raise ctx.fail("data.path", _line(raw, "data"), f"data.kind {d.kind!r} needs data.path (a directory or file)")

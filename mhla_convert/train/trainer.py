@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..convert import PLAN_ATTR
 from ..mixing import clamp_mixing_
 from ..locations import SOURCE_ATTR
 from . import checkpoints
@@ -204,7 +205,7 @@ class Trainer:
         model on every rank; the next stage prepares that afresh with its own optimizer. The
         teachers are kept (they were never wrapped)."""
         acc = self.accelerator
-        fresh = build_model(self.recipe, teachers=False).model
+        fresh = build_model(self.recipe, teachers=False, plan=getattr(self.built.model, PLAN_ATTR)).model
         if self.recipe.gradient_checkpointing:
             _enable_checkpointing(fresh)
         _full_state_into(self.model, fresh)  # collective
@@ -336,7 +337,7 @@ class Trainer:
         state = acc.get_state_dict(self.model)  # collective
         if not acc.is_main_process:
             return None
-        model = build_model(self.recipe, teachers=False).model
+        model = build_model(self.recipe, teachers=False, plan=getattr(self.built.model, PLAN_ATTR)).model
         if has_lora(acc.unwrap_model(self.model)):
             add_lora(model, self.recipe.stages[-1].lora)
         model.load_state_dict(state)
