@@ -1,8 +1,10 @@
 """Side-by-side samples of a (converted) diffusion transformer and its reference: both run inside
 the family's diffusers pipeline, on the same prompts (or DiT class labels) and the same seeds, so
 they start from the same noise. Writes one grid (`samples.png`, top row the reference, bottom row
-the model; for Wan also `samples.mp4`, the same grid per frame, and the PNG holds the first frames)
-and scores the model's samples against the reference's with PSNR and SSIM."""
+the model; for video models also `samples.mp4`, the same grid per frame, and the PNG holds the first
+frames) and scores the model's samples against the reference's with PSNR and SSIM. How a family's
+pipeline is built and called is its adapter's (`DiffusersAdapter.sampling_pipeline`, `generate`), as
+for `mhla-convert sample`."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..families import families
 from ..locations import SOURCE_ATTR
 from .image_metrics import clip_score, fid, psnr, resolve_clip_model, resolve_fid_weights, ssim
 
-FAMILIES = ("sana", "wan", "dit", "pixart")
 DEFAULT_PROMPTS = (
     "a red panda sitting on a mossy log in a forest",
     "a lighthouse on a rocky coast at sunset",
@@ -42,10 +44,11 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     """Sample `model` and `reference` side by side and score the model against the reference.
 
     Sample i of both uses a generator seeded with `seed + i`, so two calls give identical images and
-    metrics. Prompts (sana, wan, pixart) or class labels (dit) default to `num_samples` built-in
-    ones; when given, there is one sample per entry. The VAE, text encoder and scheduler come from
-    `base` (default: the base model recorded on `reference`, then on `model`); built-in tiny models
-    get tiny in-process ones. Both transformers are put in eval mode and moved to `device`.
+    metrics. Prompts (text-conditional families) or class labels (class-conditional ones: DiT)
+    default to `num_samples` built-in ones; when given, there is one sample per entry. The VAE, text
+    encoder and scheduler come from `base` (default: the base model recorded on `reference`, then on
+    `model`); built-in tiny models get tiny in-process ones. Both transformers are put in eval mode
+    and moved to `device`.
 
     Returns {"psnr": mean dB (inf when a sample matches exactly), "ssim": mean SSIM}, over the
     float [0, 1] pipeline outputs in float64. Only when asked for, from local weights (nothing is
@@ -54,9 +57,11 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     and `clip_model` (a CLIP directory, or a hub id already in the Hugging Face cache) adds
     "clip_score" and "clip_score_reference"; videos are scored on their first frames.
     """
-    conditions = _conditions(family, model, num_samples, prompts, class_labels)
-    if clip_model is not None and family == "dit":
-        raise ValueError("clip_model scores samples against their prompts; DiT samples are class-conditional "
+    adapter = _diffusion_adapter(family)
+    num_classes = adapter.num_classes(model)
+    conditions = _conditions(family, num_classes, num_samples, prompts, class_labels)
+    if clip_model is not None and num_classes is not None:
+        raise ValueError(f"clip_model scores samples against their prompts; {family} samples are class-conditional "
                          "(drop clip_model)")
     if fid_weights is not None and len(conditions) < 2:
         raise ValueError("FID compares two sets of samples: ask for at least 2 (num_samples, prompts or class_labels)")
@@ -64,24 +69,30 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base = base or _recorded_base(reference) or _recorded_base(model)
     for transformer in (reference, model):
-        _check_transformer(family, transformer)
+        if adapter.takes_first_frame(transformer):
+            raise ValueError("sample comparison generates from prompts alone; image-to-video models need a first frame")
         transformer.eval().to(device)
 
+    condition = "prompt" if num_classes is None else "class_label"
     pipe = None
     samples = []
     for transformer in (reference, model):
-        pipe = _family_pipeline(family, transformer, base, device, pipe)
+        if pipe is None:
+            pipe = adapter.sampling_pipeline(transformer, base, device=device)
+        else:  # the same VAE, text encoder and scheduler around the other transformer
+            pipe.register_modules(transformer=transformer)
         generators = [torch.Generator(device).manual_seed(seed + i) for i in range(len(conditions))]
-        samples.append(torch.stack([_generate(pipe, family, base, condition, steps, generator)
-                                    for condition, generator in zip(conditions, generators)]))
+        samples.append(torch.stack([
+            _as_tensor(adapter.generate(pipe, base, generator=g, steps=steps, output_type="np", **{condition: c}))
+            for c, g in zip(conditions, generators)]))
     ref_samples, model_samples = samples
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write(ref_samples, model_samples, out_dir, video=family == "wan")
+    _write(ref_samples, model_samples, out_dir, video=adapter.video)
     metrics = {"psnr": psnr(model_samples, ref_samples).mean().item(),
                "ssim": ssim(model_samples, ref_samples).mean().item()}
-    firsts = [s[:, 0] if family == "wan" else s for s in (ref_samples, model_samples)]
+    firsts = [s[:, 0] if adapter.video else s for s in (ref_samples, model_samples)]
     if fid_path is not None:
         metrics["fid"] = fid(firsts[1], firsts[0], fid_path)
     if clip_path is not None:
@@ -90,14 +101,21 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
     return metrics
 
 
-def _conditions(family: str, model: nn.Module, num_samples: int, prompts, class_labels) -> list:
-    if family not in FAMILIES:
-        raise ValueError(f"sample comparison is for the diffusion families {', '.join(FAMILIES)}; got {family!r}")
-    if family == "dit":
+def _diffusion_adapter(family: str):
+    """The family's adapter, refused unless its samples come from a diffusers pipeline."""
+    known = families()
+    if family not in known or known[family].library != "diffusers":
+        diffusion = sorted(name for name, cls in known.items() if cls.library == "diffusers")
+        raise ValueError(f"sample comparison is for the diffusion families {', '.join(diffusion)}; got {family!r}")
+    return known[family]()
+
+
+def _conditions(family: str, num_classes: int | None, num_samples: int, prompts, class_labels) -> list:
+    """The class label or prompt of each sample."""
+    if num_classes is not None:
         if prompts is not None:
-            raise ValueError("DiT is class-conditional: pass class_labels instead of prompts")
-        num_classes = model.config.num_embeds_ada_norm
-        defaults = [c % num_classes for c in _cycle(DEFAULT_CLASSES, num_samples)]  # tiny DiTs have few classes
+            raise ValueError(f"{family} is class-conditional: pass class_labels instead of prompts")
+        defaults = [c % num_classes for c in _cycle(DEFAULT_CLASSES, num_samples)]  # tiny models have few classes
         chosen = list(class_labels) if class_labels is not None else defaults
         if not chosen or not all(0 <= c < num_classes for c in chosen):
             raise ValueError(f"class_labels must be a non-empty list of classes in [0, {num_classes}); got {chosen}")
@@ -120,48 +138,9 @@ def _recorded_base(model: nn.Module) -> str | None:
     return (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
 
 
-# The family's pipeline and how to call it (all the family knowledge here): what `mhla-convert sample`
-# does (train/sampling.py), for transformers in memory, returning float images instead of files.
-
-def _check_transformer(family: str, transformer: nn.Module) -> None:
-    from ..train.components import is_i2v
-
-    if family == "wan" and is_i2v(transformer):
-        raise ValueError("sample comparison generates from prompts alone; Wan image-to-video models need a first frame")
-
-
-def _family_pipeline(family: str, transformer: nn.Module, base: str | None, device, pipe=None):
-    """The family's pipeline around `transformer`; with `pipe`, its components around a new transformer."""
-    from ..train.components import pipeline
-
-    if family == "dit" and transformer.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
-        transformer.register_to_config(out_channels=transformer.out_channels)
-    if pipe is not None:
-        pipe.register_modules(transformer=transformer)
-        return pipe
-    pipe = pipeline(family, transformer, base).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _generate(pipe, family: str, base: str | None, condition, steps: int, generator: torch.Generator) -> torch.Tensor:
-    """One sample as float64 in [0, 1]: (C, H, W), or (F, C, H, W) for Wan."""
-    from ..train.components import is_tiny
-    from ..train.sampling import TINY_VIDEO
-
-    kwargs = {"num_inference_steps": steps, "generator": generator, "output_type": "np"}
-    if family == "dit":
-        if is_tiny(base):
-            kwargs["guidance_scale"] = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer
-        image = pipe(class_labels=[condition], **kwargs).images[0]
-    elif family == "wan":
-        image = pipe(prompt=condition, **(TINY_VIDEO if is_tiny(base) else {}), **kwargs).frames[0]
-    else:
-        if is_tiny(base):  # the pipelines default to their real resolutions (and want multiples of 32)
-            native = -(-pipe.transformer.config.sample_size * pipe.vae_scale_factor // 32) * 32
-            kwargs.update(height=native, width=native)
-        image = pipe(prompt=condition, use_resolution_binning=not is_tiny(base), **kwargs).images[0]
-    return torch.from_numpy(np.asarray(image, dtype=np.float64)).movedim(-1, -3).clamp(0, 1)
+def _as_tensor(sample) -> torch.Tensor:
+    """A pipeline's (H, W, C) image or (F, H, W, C) frames as float64 (C, H, W) / (F, C, H, W) in [0, 1]."""
+    return torch.from_numpy(np.asarray(sample, dtype=np.float64)).movedim(-1, -3).clamp(0, 1)
 
 
 def _write(ref_samples: torch.Tensor, model_samples: torch.Tensor, out_dir: Path, *, video: bool) -> None:

@@ -134,7 +134,8 @@ class DiffusersAdapter(FamilyAdapter):
     ε-prediction (DDPM) by default. A family overrides `denoise` (required) and what differs:
     `flow_shift` (flow matching), `video`, `pipeline_class`, `max_prompt_length`, `latent_channels`,
     `text_width`, `synthetic_conditions`, `tiny_vae`, `tiny_text_encoder`, `tiny_extra_components`, `prompt_length`,
-    `encode_latents`, `encode_text`, `encode_conditions`, `sample`.
+    `encode_latents`, `encode_text`, `encode_conditions`, `num_classes` (class-conditional models),
+    `pipeline_inputs` (the sampling call's condition and sizes).
     """
 
     library = "diffusers"
@@ -324,31 +325,47 @@ class DiffusersAdapter(FamilyAdapter):
         return self.encode_text(pipe, captions, self.prompt_length(transformer, spec))
 
     # --- sampling --------------------------------------------------------------------------
-    def sampling_pipeline(self, model: nn.Module, base: str | None, *, device: str, seed: int, steps: int,
-                          guidance_scale: float | None):
-        """The pipeline around `model` on `device`, and the call's common keyword arguments."""
+    def num_classes(self, model: nn.Module) -> int | None:
+        """The classes of a class-conditional model (sampled from a class label rather than a
+        prompt); None for a text-conditional one."""
+        return None
+
+    def sampling_pipeline(self, model: nn.Module, base: str | None, *, device) -> Any:
+        """The family's pipeline around `model` on `device`, its progress bar off."""
         from ..train.components import pipeline
 
         pipe = pipeline(self.name, model, base).to(device)
         pipe.set_progress_bar_config(disable=True)
-        kwargs = {"num_inference_steps": steps, "generator": torch.Generator(device).manual_seed(seed)}
-        if guidance_scale is not None:
-            kwargs["guidance_scale"] = guidance_scale
-        return pipe, kwargs
+        return pipe
 
-    def sample(self, model, base, prompt, *, device, seed=0, steps=20, guidance_scale=None, height=None, width=None,
-               **options):
-        """Text to image; tiny models at their own size (the pipelines default to their real
-        resolutions, and want multiples of 32)."""
+    def pipeline_inputs(self, pipe, base: str | None, *, prompt: str, class_label: int = 0,
+                        guidance_scale: float | None = None, height: int | None = None, width: int | None = None,
+                        num_frames: int | None = None, image=None) -> dict[str, Any]:
+        """The pipeline call's condition and sizes: text to image; tiny models at their own size (the
+        pipelines default to their real resolutions, and want multiples of 32)."""
         from ..train.components import is_tiny
 
-        pipe, kwargs = self.sampling_pipeline(model, base, device=device, seed=seed, steps=steps,
-                                              guidance_scale=guidance_scale)
         if is_tiny(base):
-            native = -(-model.config.sample_size * pipe.vae_scale_factor // 32) * 32
+            native = -(-pipe.transformer.config.sample_size * pipe.vae_scale_factor // 32) * 32
             height, width = height or native, width or native
-        size = {k: v for k, v in (("height", height), ("width", width)) if v is not None}
-        return pipe(prompt=prompt, use_resolution_binning=not is_tiny(base), **size, **kwargs).images[0]
+        given = (("height", height), ("width", width), ("guidance_scale", guidance_scale))
+        return {"prompt": prompt, "use_resolution_binning": not is_tiny(base),
+                **{k: v for k, v in given if v is not None}}
+
+    def generate(self, pipe, base: str | None, *, generator: torch.Generator, steps: int = 20,
+                 output_type: str = "pil", **inputs):
+        """One sample from the family's pipeline `pipe` (`pipeline_inputs` takes `inputs`): an image,
+        or for video models its frames, in `output_type` ("pil" or "np": floats in [0, 1])."""
+        out = pipe(num_inference_steps=steps, generator=generator, output_type=output_type,
+                   **self.pipeline_inputs(pipe, base, **inputs))
+        return out.frames[0] if self.video else out.images[0]
+
+    def sample(self, model, base, prompt, *, device, seed=0, steps=20, max_new_tokens=32, **inputs):
+        """An image (PIL), or a video's (F, H, W, 3) frames in [0, 1]."""
+        pipe = self.sampling_pipeline(model, base, device=device)
+        generator = torch.Generator(device).manual_seed(seed)
+        return self.generate(pipe, base, generator=generator, steps=steps, output_type="np" if self.video else "pil",
+                             prompt=prompt, **inputs)
 
 
 def tiny_t5_config(width: int):

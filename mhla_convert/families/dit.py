@@ -37,8 +37,7 @@ class DiTAdapter(DiffusersAdapter):
         return None
 
     def synthetic_conditions(self, model, latents, cond, num_conditions, generator) -> dict[str, torch.Tensor]:
-        classes = model.config.get("num_embeds_ada_norm") or 1000
-        return {"class_labels": cond % classes}
+        return {"class_labels": cond % self.num_classes(model)}
 
     def encode_conditions(self, pipe, transformer, rows, pixels, latents, spec) -> dict[str, torch.Tensor]:
         from ..train.errors import TrainError
@@ -48,13 +47,16 @@ class DiTAdapter(DiffusersAdapter):
                              "line (or set data.label_column)")
         return {"class_labels": torch.tensor([int(r[spec.label_column]) for r in rows])}
 
-    def sample(self, model, base, prompt, *, device, seed=0, steps=20, guidance_scale=None, class_label=0, **options):
+    def num_classes(self, model) -> int:
+        return model.config.get("num_embeds_ada_norm") or 1000
+
+    def pipeline_inputs(self, pipe, base, *, class_label=0, guidance_scale=None, **inputs) -> dict[str, Any]:
+        """A class label (no prompt, and DiTPipeline takes no size)."""
         from ..train.components import is_tiny
 
         if guidance_scale is None and is_tiny(base):
             guidance_scale = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer classes
-        pipe, kwargs = self.sampling_pipeline(model, base, device=device, seed=seed, steps=steps,
-                                              guidance_scale=guidance_scale)
-        if model.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
-            model.register_to_config(out_channels=model.out_channels)
-        return pipe(class_labels=[class_label], **kwargs).images[0]
+        transformer = pipe.transformer
+        if transformer.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
+            transformer.register_to_config(out_channels=transformer.out_channels)
+        return {"class_labels": [class_label], **({} if guidance_scale is None else {"guidance_scale": guidance_scale})}

@@ -215,16 +215,12 @@ class WanAdapter(DiffusersAdapter):
     def takes_first_frame(self, model) -> bool:
         return is_i2v(model)
 
-    def sample(self, model, base, prompt, *, device, seed=0, steps=20, guidance_scale=None, height=None, width=None,
-               num_frames=None, image=None, **options):
-        """A video (T2V), or one from the first frame `image` (I2V); tiny models at TINY_VIDEO's size."""
+    def pipeline_inputs(self, pipe, base, *, prompt, guidance_scale=None, height=None, width=None, num_frames=None,
+                        image=None, **inputs) -> dict[str, Any]:
+        """A video from the prompt (T2V), or from the prompt and the first frame `image` (I2V); tiny
+        models at TINY_VIDEO's size."""
         from ..train.components import is_tiny
 
-        pipe, kwargs = self.sampling_pipeline(model, base, device=device, seed=seed, steps=steps,
-                                              guidance_scale=guidance_scale)
-        size = TINY_VIDEO if is_tiny(base) else {}
-        given = (("height", height), ("width", width), ("num_frames", num_frames))
-        size = {**size, **{k: v for k, v in given if v is not None}}
-        if image is not None:
-            kwargs["image"] = image
-        return pipe(prompt=prompt, output_type="np", **size, **kwargs).frames[0]
+        given = (("height", height), ("width", width), ("num_frames", num_frames), ("image", image),
+                 ("guidance_scale", guidance_scale))
+        return {"prompt": prompt, **(TINY_VIDEO if is_tiny(base) else {}), **{k: v for k, v in given if v is not None}}
