@@ -159,8 +159,9 @@ class WanAdapter(DiffusersAdapter):
         if is_i2v(model):
             columns.update(i2v_condition(latents, cfg.in_channels - 2 * cfg.out_channels))
             tokens = WAN_TEXT_TOKENS  # the I2V attention splits image from text tokens by this count
-            embeds = torch.randn(num_conditions, IMAGE_TOKENS, cfg.image_dim, generator=generator)
-            columns["image_embeds"] = embeds[cond]
+            if cfg.image_dim is not None:  # Wan2.1 I2V; later I2V models take no image tokens
+                embeds = torch.randn(num_conditions, IMAGE_TOKENS, cfg.image_dim, generator=generator)
+                columns["image_embeds"] = embeds[cond]
         table = torch.randn(num_conditions, tokens, cfg.text_dim, generator=generator)
         columns["prompt_embeds"] = table[cond]
         return columns
