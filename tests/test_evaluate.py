@@ -69,10 +69,12 @@ def test_diffusion_loss_has_four_timestep_bands_and_the_mean(dit_pair):
 def test_fixed_timesteps_are_the_centres_of_equal_probability_strata():
     from mhla_convert.evaluate.loss import fixed_timesteps
     from mhla_convert.evaluate.objective import training_objective
+    from mhla_convert.families import adapter_for_family
     from mhla_convert.train.recipe import ObjectiveSpec
 
-    assert fixed_timesteps(training_objective("dit"), 4).tolist() == [125, 375, 625, 875]
-    logit_normal = fixed_timesteps(training_objective("sana", ObjectiveSpec(timestep_sampling="logit_normal")), 8)
+    assert fixed_timesteps(training_objective(adapter_for_family("dit")), 4).tolist() == [125, 375, 625, 875]
+    logit_normal = fixed_timesteps(training_objective(adapter_for_family("sana"),
+                                                      ObjectiveSpec(timestep_sampling="logit_normal")), 8)
     assert logit_normal.tolist() == sorted(set(logit_normal.tolist()))  # distinct, in order
     assert all(abs(int(a) + int(b) - 999) <= 1 for a, b in zip(logit_normal, logit_normal.flip(0)))  # symmetric
     assert 400 < int(logit_normal[3]) < 500  # bunched around the middle, unlike [125, 375, …]
@@ -204,11 +206,13 @@ def test_latents_file_and_converted_checkpoint_directory(dit_pair, tmp_path):
 
 def test_synthetic_data_is_the_training_set(dit_pair):
     from mhla_convert.evaluate.data import data_spec, held_out
-    from mhla_convert.train.data import synthetic
+    from mhla_convert.families import adapter_for_family
+    from mhla_convert.train.data import build_dataset
     from mhla_convert.train.recipe import DataSpec
 
-    trained_on = synthetic("dit", dit_pair[1], DataSpec(), seed=5).columns
-    scored = held_out(data_spec("synthetic"), "dit", dit_pair[1], num_examples=6, seed=5, components=None)
+    adapter = adapter_for_family("dit")
+    trained_on = build_dataset(DataSpec(), adapter, dit_pair[1], seed=5, components=None).columns
+    scored = held_out(data_spec("synthetic"), adapter, dit_pair[1], num_examples=6, seed=5, components=None)
     assert all(torch.equal(scored[k], trained_on[k][:6]) for k in trained_on)
 
 

@@ -17,12 +17,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..families import FamilyAdapter
 from ..train.recipe import DataSpec, ObjectiveSpec
 from . import lm, report
 from .data import batches, data_spec, held_out
 from .errors import EvalError
 from .loss import heldout_loss
-from .models import base_model, check_comparable, describe, family_of, resolve_model
+from .models import adapter_of, base_model, check_comparable, describe, is_language_model, resolve_model
 from .objective import training_objective
 
 ModelSpec = nn.Module | str | Path
@@ -63,21 +64,21 @@ def _compare_samples(model, reference, *, family, out_dir, requested, num_sample
 
 
 def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device):
-    """(model, reference or None, family), refusing a reference that takes other inputs."""
+    """(model, reference or None, the model's family adapter), refusing a reference that takes other inputs."""
     loaded = resolve_model(model, role="model", dtype=dtype, device=device)
-    family = family_of(loaded, "model")
+    adapter = adapter_of(loaded, "model")
     if reference is None:
-        return loaded, None, family
+        return loaded, None, adapter
     ref = resolve_model(reference, role="reference", dtype=dtype, device=device)
-    check_comparable(loaded, ref, (family, family_of(ref, "reference")))
-    return loaded, ref, family
+    check_comparable(loaded, ref, (adapter.name, adapter_of(ref, "reference").name))
+    return loaded, ref, adapter
 
 
 @dataclass
 class _Scorer:
     """One evaluation's fixed inputs, applied to the model and the reference alike."""
 
-    family: str
+    adapter: FamilyAdapter
     objective: object
     batches: list[dict]
     seed: int
@@ -94,9 +95,10 @@ class _Scorer:
         training = model.training
         model.eval()
         try:
-            metrics = heldout_loss(model, self.objective, self.batches, family=self.family, seed=self.seed,
-                                   num_timesteps=self.timesteps)
-            if self.family == "llama":
+            language_model = is_language_model(self.adapter)
+            metrics = heldout_loss(model, self.objective, self.batches, language_model=language_model,
+                                   seed=self.seed, num_timesteps=self.timesteps)
+            if language_model:
                 metrics.update(lm.perplexity(metrics["loss"]))
                 metrics.update(lm.passkey_accuracy(model, self.passkey, trials=self.trials, seed=self.seed))
                 if self.tasks:
@@ -159,17 +161,18 @@ def evaluate(
     num_examples = batch_size * num_batches
     spec = data_spec(data, data_options)
 
-    loaded, ref, family = _load_models(model, reference, dtype=dtype, device=device)
-    if family != "llama" and tasks:
-        raise EvalError(f"lm-eval tasks are for language models; this is a {family} model: leave out tasks")
-    if samples and (family == "llama" or ref is None):
+    loaded, ref, adapter = _load_models(model, reference, dtype=dtype, device=device)
+    language_model = is_language_model(adapter)
+    if not language_model and tasks:
+        raise EvalError(f"lm-eval tasks are for language models; this is a {adapter.name} model: leave out tasks")
+    if samples and (language_model or ref is None):
         raise EvalError("sample comparison needs a diffusion model and a reference; leave out samples")
 
     components = base_model(loaded) or (base_model(ref) if ref is not None else None)
-    columns = held_out(spec, family, loaded, num_examples=num_examples, seed=seed, components=components)
+    columns = held_out(spec, adapter, loaded, num_examples=num_examples, seed=seed, components=components)
     batch_list = batches(columns, batch_size)
-    lengths = lm.passkey_lengths(loaded, passkey_lengths) if family == "llama" else []
-    score = _Scorer(family, training_objective(family, objective), batch_list, seed=seed, timesteps=timesteps,
+    lengths = lm.passkey_lengths(loaded, passkey_lengths) if language_model else []
+    score = _Scorer(adapter, training_objective(adapter, objective), batch_list, seed=seed, timesteps=timesteps,
                     passkey=lengths, trials=passkey_trials, tasks=list(tasks or []), task_limit=task_limit,
                     tokenizer_source=spec.components or components, batch_size=batch_size)
 
@@ -177,17 +180,17 @@ def evaluate(
     if ref is not None:
         result["reference"] = score(ref)
         result["gap_percent"] = report.gaps(result["model"], result["reference"])
-        if samples or (samples is None and family != "llama"):
-            comparison = _compare_samples(loaded, ref, family=family, out_dir=out, requested=bool(samples),
+        if samples or (samples is None and not language_model):
+            comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out, requested=bool(samples),
                                           num_samples=num_samples, seed=seed, steps=sample_steps)
             if comparison:
                 result["comparison"] = {f"sample_{k}": float(v) for k, v in comparison.items()}
     param = next(loaded.parameters())
     result["meta"] = {
-        "family": family, "model": describe(model), "reference": describe(reference) if ref is not None else None,
+        "family": adapter.name, "model": describe(model), "reference": describe(reference) if ref is not None else None,
         "data": {"kind": spec.kind, "path": spec.path}, "num_examples": len(next(iter(columns.values()))),
         "batch_size": batch_size, "num_batches": len(batch_list), "seed": seed,
-        "timesteps_per_batch": timesteps if family != "llama" else None, "passkey_lengths": lengths,
+        "timesteps_per_batch": None if language_model else timesteps, "passkey_lengths": lengths,
         "device": str(param.device), "dtype": str(param.dtype).removeprefix("torch."),
         "versions": _versions(),
     }

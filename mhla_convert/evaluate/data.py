@@ -10,22 +10,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..families import adapter_for_family
+from ..families import FamilyAdapter
 from ..train.data import build_dataset
 from ..train.errors import TrainError
 from ..train.recipe import DataSpec
 from .errors import EvalError
-from .models import config_value
+from .models import config_value, is_language_model
 
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")
-# what each family's objective reads from a batch
-COLUMNS = {
-    "llama": ("input_ids",),
-    "dit": ("latents", "class_labels"),
-    "sana": ("latents", "prompt_embeds", "prompt_attention_mask"),
-    "pixart": ("latents", "prompt_embeds", "prompt_attention_mask"),
-    "wan": ("latents", "prompt_embeds"),
-}
 KIND_HINT = ("'synthetic', a .safetensors file or folder of latents, an image/video folder with metadata.jsonl, "
              "or text (LMs)")
 
@@ -64,24 +56,29 @@ def data_spec(data: str | Path | DataSpec, options: dict | None = None) -> DataS
     return DataSpec(kind=_kind_of(path), path=str(path), **(options or {}))
 
 
-def _check_kind(spec: DataSpec, family: str) -> None:
-    if spec.kind == "text" and family != "llama":
-        raise EvalError(f"{spec.path} is text, but a {family} model is scored on latents: give latents, "
+def _check_kind(spec: DataSpec, adapter: FamilyAdapter) -> None:
+    if spec.kind == "text" and not is_language_model(adapter):
+        raise EvalError(f"{spec.path} is text, but a {adapter.name} model is scored on latents: give latents, "
                         "an image/video folder or 'synthetic'")
-    if spec.kind == "folder" and family == "llama":
+    if spec.kind == "folder" and is_language_model(adapter):
         raise EvalError(f"{spec.path} is an image/video folder, but a language model is scored on text: "
                         "give a text file or folder (.txt, .jsonl, .json, .parquet) or 'synthetic'")
 
 
-def check_fits(columns: dict[str, torch.Tensor], family: str, model: nn.Module, source: str) -> None:
+def required_columns(adapter: FamilyAdapter, model: nn.Module) -> list[str]:
+    """What the family's objective reads from a batch of this model's data: the columns of its
+    built-in synthetic training set (one example of it)."""
+    return list(adapter.synthetic_data(model, DataSpec(kind="synthetic", num_samples=1), seed=0))
+
+
+def check_fits(columns: dict[str, torch.Tensor], adapter: FamilyAdapter, model: nn.Module, source: str) -> None:
     """The data holds what the family's objective reads, in the model's shapes."""
-    missing = [c for c in COLUMNS[family] if c not in columns]
-    if family == "wan" and config_value(model, "in_channels") != config_value(model, "out_channels"):
-        missing += [] if "condition" in columns else ["condition"]  # image-to-video
+    required = required_columns(adapter, model)
+    missing = [c for c in required if c not in columns]
     if missing:
-        raise EvalError(f"{source} has {', '.join(sorted(columns))} but a {family} model is scored on "
-                        f"{', '.join(COLUMNS[family])}: missing {', '.join(missing)}; give data made for this family")
-    if family == "llama":
+        raise EvalError(f"{source} has {', '.join(sorted(columns))} but a {adapter.name} model is scored on "
+                        f"{', '.join(required)}: missing {', '.join(missing)}; give data made for this family")
+    if is_language_model(adapter):
         ids, vocab = columns["input_ids"], config_value(model, "vocab_size")
         if ids.ndim != 2 or ids.shape[1] < 2:
             raise EvalError(f"{source}: input_ids must be (examples, tokens) with at least 2 tokens; "
@@ -91,23 +88,23 @@ def check_fits(columns: dict[str, torch.Tensor], family: str, model: nn.Module, 
                             "tokenize with the model's own tokenizer (data option components)")
         return
     latents = columns["latents"]
-    channels = config_value(model, "out_channels" if family == "wan" else "in_channels")
-    ndim = 5 if family == "wan" else 4
+    channels = adapter.latent_channels(model)
+    ndim = 5 if adapter.video else 4
     if latents.ndim != ndim or latents.shape[1] != channels:
-        raise EvalError(f"{source}: latents of shape {tuple(latents.shape[1:])} do not fit this {family} model, "
+        raise EvalError(f"{source}: latents of shape {tuple(latents.shape[1:])} do not fit this {adapter.name} model, "
                         f"which takes {channels} channels ({ndim - 1}-d per example): encode them with its own VAE")
 
 
-def held_out(spec: DataSpec, family: str, model: nn.Module, *, num_examples: int, seed: int,
+def held_out(spec: DataSpec, adapter: FamilyAdapter, model: nn.Module, *, num_examples: int, seed: int,
              components: str | None) -> dict[str, torch.Tensor]:
     """The first `num_examples` examples, in order, column-wise."""
-    _check_kind(spec, family)
+    _check_kind(spec, adapter)
     try:
-        dataset = build_dataset(spec, adapter_for_family(family), model, seed=seed, components=spec.components or components)
+        dataset = build_dataset(spec, adapter, model, seed=seed, components=spec.components or components)
     except TrainError as error:
         raise EvalError(str(error)) from None
     columns = {k: v[:num_examples] for k, v in dataset.columns.items()}
-    check_fits(columns, family, model, spec.path or "the synthetic data")
+    check_fits(columns, adapter, model, spec.path or "the synthetic data")
     return columns
 
 

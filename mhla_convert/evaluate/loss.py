@@ -71,8 +71,8 @@ def _band_order(name: str) -> tuple[int, int]:
     return (0, 0) if name == "loss" else (1, int(name.removeprefix("loss_t").split("-")[0]))
 
 
-def heldout_loss(model: nn.Module, objective, batches: list[dict], *, family: str, seed: int,
+def heldout_loss(model: nn.Module, objective, batches: list[dict], *, language_model: bool, seed: int,
                  num_timesteps: int) -> dict[str, float]:
-    if family == "llama":
+    if language_model:
         return next_token_loss(model, objective, batches)
     return diffusion_loss(model, objective, batches, seed=seed, num_timesteps=num_timesteps)

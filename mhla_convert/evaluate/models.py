@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..families import UnsupportedModelError, adapter_for_model
+from ..families import FamilyAdapter, UnsupportedModelError, adapter_for_model
 from ..locations import SOURCE_ATTR
 from ..models import load_model
 from ..placement import cast_model, parse_dtype
@@ -39,11 +39,16 @@ def resolve_model(spec: nn.Module | str | Path, *, role: str, dtype=None, device
         raise EvalError(f"cannot load the {role} {spec}: {error}") from None
 
 
-def family_of(model: nn.Module, role: str) -> str:
+def adapter_of(model: nn.Module, role: str) -> FamilyAdapter:
     try:
-        return adapter_for_model(model).name
+        return adapter_for_model(model)
     except UnsupportedModelError as error:
         raise EvalError(f"the {role} is not a model mhla-convert knows: {error}") from None
+
+
+def is_language_model(adapter: FamilyAdapter) -> bool:
+    """Scored on text (next-token loss, perplexity, passkey, lm-eval tasks) rather than on latents."""
+    return adapter.library == "transformers"
 
 
 def describe(spec: nn.Module | str | Path) -> str:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..families import adapter_for_family
+from ..families import FamilyAdapter
 from ..train.recipe import ObjectiveSpec
 
 
-def training_objective(family: str, spec: ObjectiveSpec | None = None):
+def training_objective(adapter: FamilyAdapter, spec: ObjectiveSpec | None = None):
     """The family's own training objective (flow matching, ε-prediction or next-token)."""
-    return adapter_for_family(family).objective(spec or ObjectiveSpec())
+    return adapter.objective(spec or ObjectiveSpec())
