@@ -91,7 +91,8 @@ def _inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tup
         handle.remove()
     args, kwargs = seen["call"]
     # a generation cache belongs to the forward that made it; the fit calls the layers outside it
-    return args, {k: v for k, v in kwargs.items() if k != "past_key_values"}
+    # (transformers ≥ 5.24 passes it as `cache`, earlier releases as `past_key_values`)
+    return args, {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
 
 
 def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps: int, lr: float) -> None:
