@@ -348,9 +348,8 @@ class DiffusersAdapter(FamilyAdapter):
         if is_tiny(base):
             native = -(-pipe.transformer.config.sample_size * pipe.vae_scale_factor // 32) * 32
             height, width = height or native, width or native
-        given = (("height", height), ("width", width), ("guidance_scale", guidance_scale))
         return {"prompt": prompt, "use_resolution_binning": not is_tiny(base),
-                **{k: v for k, v in given if v is not None}}
+                **given(height=height, width=width, guidance_scale=guidance_scale)}
 
     def generate(self, pipe, base: str | None, *, generator: torch.Generator, steps: int = 20,
                  output_type: str = "pil", **inputs):
@@ -366,6 +365,11 @@ class DiffusersAdapter(FamilyAdapter):
         generator = torch.Generator(device).manual_seed(seed)
         return self.generate(pipe, base, generator=generator, steps=steps, output_type="np" if self.video else "pil",
                              prompt=prompt, **inputs)
+
+
+def given(**options) -> dict[str, Any]:
+    """The options that are set (not None): what a pipeline call passes on, leaving it its defaults."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def tiny_t5_config(width: int):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .base import register
-from .diffusers_base import DiffusersAdapter
+from .diffusers_base import DiffusersAdapter, given
 
 
 @register
@@ -59,4 +59,4 @@ class DiTAdapter(DiffusersAdapter):
         transformer = pipe.transformer
         if transformer.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
             transformer.register_to_config(out_channels=transformer.out_channels)
-        return {"class_labels": [class_label], **({} if guidance_scale is None else {"guidance_scale": guidance_scale})}
+        return {"class_labels": [class_label], **given(guidance_scale=guidance_scale)}

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..ops.rotary import InterleavedRotary
 from .base import register
-from .diffusers_base import DiffusersAdapter, tiny_t5_config
+from .diffusers_base import DiffusersAdapter, given, tiny_t5_config
 
 WAN_TEXT_TOKENS = 512  # WanAttnProcessor: image tokens = all context tokens − 512
 IMAGE_TOKENS = 4  # synthetic CLIP image embeddings per example (CLIP ViT-H/14 at 224 px gives 257)
@@ -222,6 +222,5 @@ class WanAdapter(DiffusersAdapter):
         models at TINY_VIDEO's size."""
         from ..train.components import is_tiny
 
-        given = (("height", height), ("width", width), ("num_frames", num_frames), ("image", image),
-                 ("guidance_scale", guidance_scale))
-        return {"prompt": prompt, **(TINY_VIDEO if is_tiny(base) else {}), **{k: v for k, v in given if v is not None}}
+        return {"prompt": prompt, **(TINY_VIDEO if is_tiny(base) else {}),
+                **given(height=height, width=width, num_frames=num_frames, image=image, guidance_scale=guidance_scale)}
