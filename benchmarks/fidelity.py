@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +50,10 @@ def lm_data(directory: Path, context: int, max_train_tokens: int) -> None:
     streams = {"train": bytearray(), "heldout": bytearray()}
     for i, path in enumerate(files):
         streams["heldout" if i % 10 == 0 else "train"] += path.read_bytes() + b"\0"
-    caps = {"train": max_train_tokens, "heldout": max_train_tokens // 10}
+    caps = {"train": max_train_tokens, "heldout": 8 * 64 * context}  # the validation reads 8 batches of 64
     for split, data in streams.items():
-        ids = torch.tensor(list(data[: caps[split] // context * context]), dtype=torch.long).view(-1, context)
+        ids = torch.frombuffer(bytes(data[: caps[split] // context * context]), dtype=torch.uint8).long()
+        ids = ids.view(-1, context)
         save_file({"input_ids": ids}, str(directory / f"{split}.safetensors"))
 
 
@@ -92,9 +94,9 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
     dit = dict(num_attention_heads=4, attention_head_dim=width // 4, in_channels=1, out_channels=1, num_layers=layers,
                sample_size=8, patch_size=1, num_embeds_ada_norm=10, norm_num_groups=1)
     return {
-        "lm": Miniature("llama", lm, base_steps=20 if quick else 3000, base_lr=1e-3, batch_size=8 if quick else 32,
+        "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
                         finetune_lr=5e-4, conversion={"options": {"chunk_size": 64}}),
-        "dit": Miniature("dit", dit, base_steps=20 if quick else 6000, base_lr=3e-4, batch_size=16 if quick else 128,
+        "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
                          finetune_lr=2e-4, conversion={"blocks": "4x4"}),
     }
 
@@ -109,13 +111,13 @@ def save_random_base(mini: Miniature, directory: Path) -> None:
 
 
 def recipe(model: str, data: Path, stages: list[dict], *, batch_size: int, lr: float, eval_every: int,
-           conversion: dict | None, schedule: dict | None = None, precision: str = "no") -> dict:
+           conversion: dict | None, schedule: dict | None = None, precision: str = "no", keep_best: bool = False) -> dict:
     return {
         "model": {"name": model},
         "conversion": conversion or {"ratio": 0.0},
         "data": {"kind": "latents", "path": str(data / "train.safetensors"), "batch_size": batch_size},
-        "validation": {"path": str(data / "heldout.safetensors"), "every": eval_every, "num_batches": 1000,
-                       "batch_size": 64, "keep_best": False},
+        "validation": {"path": str(data / "heldout.safetensors"), "every": eval_every, "num_batches": 8,
+                       "batch_size": 64, "keep_best": keep_best},
         "stages": stages,
         "optimizer": {"lr": lr, "grad_clip": 1.0},
         "schedule": schedule or {"name": "constant", "warmup_steps": 0},
@@ -126,8 +128,13 @@ def recipe(model: str, data: Path, stages: list[dict], *, batch_size: int, lr: f
 
 
 def run(spec: dict, out: Path) -> list[dict]:
-    """Train a recipe; its validation rows [{step, stage, validation_loss}]."""
+    """Train a recipe afresh; its validation rows [{step, stage, validation_loss}]."""
+    shutil.rmtree(out, ignore_errors=True)
     Trainer(parse_recipe(yaml.safe_dump(spec)), out, resume=False, log=lambda *_: None).run()
+    return validation_rows(out)
+
+
+def validation_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "validation_loss" in r]
 
 
@@ -158,7 +165,6 @@ def sink_window_loss(model_dir: Path, data: Path, window: int, sinks: int, devic
 
     from mhla_convert import load_model
     from mhla_convert.train.data import TensorData, load_shards
-    from mhla_convert.train.objectives import objective_for
     from mhla_convert.train.recipe import ObjectiveSpec
     from mhla_convert.train.validation import HeldOut
 
@@ -174,7 +180,7 @@ def sink_window_loss(model_dir: Path, data: Path, window: int, sinks: int, devic
     AttentionInterface.register("sink_window", attention)
     model = load_model(str(model_dir)).to(device)
     model.set_attn_implementation("sink_window")
-    held = HeldOut(TensorData(load_shards(data / "heldout.safetensors")), objective_for("llama", ObjectiveSpec()),
+    held = HeldOut(TensorData(load_shards(data / "heldout.safetensors")), adapter_for_family("llama").objective(ObjectiveSpec()),
                    batch_size=64, num_batches=1000, seed=0)
     return held.loss(model, device=device, dtype=torch.float32)
 
@@ -189,35 +195,42 @@ def gap(loss: float, reference: float) -> float:
 def bench(kind: str, mini: Miniature, args, root: Path) -> dict:
     data, base_dir = root / kind / "data", root / kind / "random-init"
     data.mkdir(parents=True, exist_ok=True)
-    (lm_data(data, 512 if not args.quick else 64, 2_000_000 if not args.quick else 20_000) if kind == "lm"
+    (lm_data(data, 512 if not args.quick else 64, 24_000_000 if not args.quick else 20_000) if kind == "lm"
      else dit_data(data))
-    save_random_base(mini, base_dir)
     precision = "bf16" if torch.cuda.is_available() else "no"
     tic = time.perf_counter()
-    base_curve = run(recipe(str(base_dir), data, [{"name": "finetune", "steps": mini.base_steps, "train": "all"}],
-                            batch_size=mini.batch_size, lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1),
-                            conversion=None, precision=precision,
-                            schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}), root / kind / "base")
-    original = base_curve[-1]["validation_loss"]
+    if (root / kind / "base" / "best").is_dir():  # trained by an earlier run into the same --out
+        base_curve = validation_rows(root / kind / "base")
+    else:
+        save_random_base(mini, base_dir)
+        base_curve = run(recipe(str(base_dir), data, [{"name": "finetune", "steps": mini.base_steps, "train": "all"}],
+                         batch_size=mini.batch_size, lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1),
+                         conversion=None, precision=precision,
+                         schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}, keep_best=True),
+                         root / kind / "base")
+    original = min(r["validation_loss"] for r in base_curve)  # the original is the best model by held-out loss
     result = {"original_loss": original, "base_training": base_curve, "variants": {},
               "base_seconds": time.perf_counter() - tic}
-    print(f"[{kind}] original trained {mini.base_steps} steps: held-out loss {original:.4f}", flush=True)
-    trained = str(root / kind / "base" / "model")
+    print(f"[{kind}] original trained {mini.base_steps} steps ({result['base_seconds']:.0f} s): held-out loss "
+          f"{original:.4f}", flush=True)
+    trained = str(root / kind / "base" / "best")
     for name in args.variants:
         label, section, transfer = VARIANTS[name]
         stages = ([{"name": "attention_transfer", "steps": args.transfer_steps, "lr": args.transfer_lr}]
                   if transfer else [])
         stages.append({"name": "finetune", "steps": args.finetune_steps + (0 if transfer else args.transfer_steps),
-                       "train": "all", "lr": mini.finetune_lr})
+                       "train": "all", "lr": args.finetune_lr or mini.finetune_lr})
         tic = time.perf_counter()
-        spec = recipe(trained, data, stages, batch_size=mini.batch_size, lr=mini.finetune_lr,
+        spec = recipe(trained, data, stages, batch_size=mini.batch_size, lr=args.finetune_lr or mini.finetune_lr,
                       eval_every=args.eval_every, conversion=variant_conversion(mini, section), precision=precision)
-        curve = run(spec, root / kind / name)
+        curve = run(spec, root / kind / "variants" / name)
+        saved = json.loads((root / kind / "variants" / name / "model" / "mhla_config.json").read_text())
         result["variants"][label] = {
             "conversion": spec["conversion"], "transfer": transfer, "seconds": time.perf_counter() - tic,
+            "converted_layers": saved["plan"]["layers"], "sensitivity": saved["plan"].get("sensitivity"),
             "curve": [{**r, "gap": gap(r["validation_loss"], original)} for r in curve],
         }
-        print(f"[{kind}] {label}: " + ", ".join(f"{r['step']}: {gap(r['validation_loss'], original):+.1%}"
+        print(f"[{kind}] {label} ({time.perf_counter() - tic:.0f} s): " + ", ".join(f"{r['step']}: {gap(r['validation_loss'], original):+.1%}"
                                                for r in curve), flush=True)
     if kind == "lm":
         loss = sink_window_loss(Path(trained), data, args.window, args.sinks, "cuda" if torch.cuda.is_available()
@@ -275,10 +288,14 @@ def main() -> None:
     parser.add_argument("--transfer-steps", type=int, default=100)
     parser.add_argument("--transfer-lr", type=float, default=1e-3)
     parser.add_argument("--finetune-steps", type=int, default=400)
+    parser.add_argument("--finetune-lr", type=float, help="default: per miniature")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--window", type=int, default=64, help="sliding-window baseline: keys per query")
     parser.add_argument("--sinks", type=int, default=4, help="sliding-window baseline: sink tokens")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--base-steps", type=int, help="steps of the originals' training (default: per miniature)")
+    parser.add_argument("--chunk-size", type=int, help="LM: MHLA chunk size (default: 64)")
+    parser.add_argument("--mixing-window", type=int, help="LM: chunk distances with their own mixing weight")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -289,6 +306,10 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     minis = miniatures(args.quick)
+    for mini in minis.values():
+        mini.base_steps = args.base_steps or mini.base_steps
+    minis["lm"].conversion["options"].update({k: v for k, v in (("chunk_size", args.chunk_size),
+                                                               ("window", args.mixing_window)) if v})
     results = {kind: bench(kind, minis[kind], args, args.out) for kind in args.kinds.split(",")}
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "args": vars(args)}
