@@ -26,6 +26,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/mhla-convert demo
 
 test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 clean:
