@@ -38,7 +38,6 @@ from mhla_convert.train import parse_recipe
 from mhla_convert.train.metrics import read_metrics
 from mhla_convert.train.trainer import Trainer
 
-
 # --- data ------------------------------------------------------------------------------------------
 
 

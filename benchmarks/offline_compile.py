@@ -22,10 +22,10 @@ import tempfile
 
 import torch
 import triton
+from kernel_breakdown import SHAPES  # (benchmarks/ is the script's directory, so on sys.path)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernel_breakdown import SHAPES  # (benchmarks/ is the script's directory, so on sys.path)
 from mhla_convert.kernels import mhla_triton as MT
 from mhla_convert.ops.feature_maps import resolve_feature_map
 

@@ -12,7 +12,14 @@ from .evaluate import evaluate
 from .hub import push_to_hub
 from .io import from_pretrained, save_pretrained
 from .layer import MHLAConfig, MHLAttention, mhla_layers
-from .mixing import clamp_mixing_, initial_mixing, locality_mixing, relative_causal_mixing, toeplitz_causal_mixing, uniform_mixing
+from .mixing import (
+    clamp_mixing_,
+    initial_mixing,
+    locality_mixing,
+    relative_causal_mixing,
+    toeplitz_causal_mixing,
+    uniform_mixing,
+)
 from .models import load_model, tiny_model
 from .ops import mhla_attention
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mhla_convert import convert, mhla_layers
-from mhla_convert.families import UnsupportedModelError, adapter_for_model
 from mhla_convert.demo import layer_reference_error
+from mhla_convert.families import UnsupportedModelError, adapter_for_model
 from mhla_convert.families.diffusers_base import DiffusersMHLA, fitted_blocks
 from mhla_convert.ops import mhla_attention_reference
 

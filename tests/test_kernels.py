@@ -19,11 +19,16 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
 from mhla_convert.kernels import mhla_recurrent_step_triton, mhla_triton  # noqa: E402
-from mhla_convert.ops import BlockLayout, init_state, mhla_attention, mhla_attention_reference  # noqa: E402
-from mhla_convert.ops import mhla_recurrent_step  # noqa: E402
+from mhla_convert.ops import (  # noqa: E402
+    BlockLayout,
+    init_state,
+    mhla_attention,
+    mhla_attention_reference,
+    mhla_recurrent_step,
+)
 from mhla_convert.ops.dispatch import select  # noqa: E402
-from mhla_convert.ops.recurrent import step_torch  # noqa: E402
 from mhla_convert.ops.feature_maps import resolve_feature_map  # noqa: E402
+from mhla_convert.ops.recurrent import step_torch  # noqa: E402
 
 # The interpreter must be on before anything imports triton.language (diffusers, torch._inductor, …):
 # otherwise Triton's own helpers stay compiled-only. When this process was too late, the

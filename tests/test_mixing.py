@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from mhla_convert import MHLAConfig, MHLAttention, clamp_mixing_
-from mhla_convert.mixing import initial_mixing, locality_mixing, relative_causal_mixing, toeplitz_causal_mixing, uniform_mixing
+from mhla_convert.mixing import (
+    initial_mixing,
+    locality_mixing,
+    relative_causal_mixing,
+    toeplitz_causal_mixing,
+    uniform_mixing,
+)
 
 
 @pytest.mark.parametrize("blocks", [(5,), (4, 4), (3, 5), (7, 3, 5), (1, 1)])

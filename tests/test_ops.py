@@ -7,7 +7,12 @@ import torch
 
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import (
-    BlockLayout, init_state, mhla_attention, mhla_attention_reference, mhla_recurrent_step, mhla_weights_reference,
+    BlockLayout,
+    init_state,
+    mhla_attention,
+    mhla_attention_reference,
+    mhla_recurrent_step,
+    mhla_weights_reference,
 )
 
 # (grid, blocks): divisible and not, 1-D / 2-D / 3-D, a block count equal to its axis

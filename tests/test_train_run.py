@@ -148,9 +148,9 @@ def test_bad_input_is_one_clear_error(tmp_path):
 
 
 def test_cli_prints_one_line(tmp_path):
+    import typer
     from typer.testing import CliRunner
 
-    import typer
     from mhla_convert.train.commands import register
 
     app = typer.Typer()

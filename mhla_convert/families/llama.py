@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
-from .lm_cache import mhla_cache_layer
 from .base import FamilyAdapter, register
+from .lm_cache import mhla_cache_layer
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

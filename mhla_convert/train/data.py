@@ -15,7 +15,6 @@ from .errors import TrainError
 from .recipe import DataSpec
 from .shards import TensorData, load_shards
 
-
 # --- batches ---------------------------------------------------------------------------------------
 
 

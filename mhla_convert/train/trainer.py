@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..convert import PLAN_ATTR
-from ..mixing import clamp_mixing_
 from ..locations import SOURCE_ATTR
+from ..mixing import clamp_mixing_
 from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
