@@ -121,7 +121,8 @@ def config_sweep(kind):
             except triton.runtime.errors.OutOfResources as err:
                 print(f"| {shape} | {cfg} | {err} |", flush=True)
                 continue
-            ref = r[timed] if cfg is None else ref
+            if cfg is None:
+                ref = r[timed]
             totals.setdefault(dim, {}).setdefault(cfg, 0.0)
             totals[dim][cfg] += r[timed] / ref
             print(f"| {shape} | {cfg or 'default'} | " + " | ".join(f"{r[key]:.3f}" for key in r) + " |", flush=True)

@@ -136,7 +136,7 @@ def bench_sana(backend):
             rows += _alternated({f"{px} px original (SANA linear attention), {side}x{side} tokens":
                                  lambda: model(x, text, t, return_dict=False),
                                  f"{px} px MHLA ({backend}), M={blocks[0] * blocks[1]}":
-                                 lambda: mhla(x, text, t, return_dict=False)}).items()
+                                 lambda m=mhla: m(x, text, t, return_dict=False)}).items()
             del mhla
     return "SANA-1600M-shaped (class defaults)", rows
 
