@@ -109,8 +109,10 @@ def save_random_base(mini: Miniature, directory: Path) -> None:
 # --- recipes ---------------------------------------------------------------------------------------
 
 
-def recipe(model: str, data: Path, stages: list[dict], *, batch_size: int, lr: float, eval_every: int,
-           conversion: dict | None, schedule: dict | None = None, precision: str = "no", keep_best: bool = False) -> dict:
+def recipe(
+    model: str, data: Path, stages: list[dict], *, batch_size: int, lr: float, eval_every: int, conversion: dict | None,
+    schedule: dict | None = None, precision: str = "no", keep_best: bool = False,
+) -> dict:
     return {
         "model": {"name": model},
         "conversion": conversion or {"ratio": 0.0},
@@ -179,8 +181,13 @@ def sink_window_loss(model_dir: Path, data: Path, window: int, sinks: int, devic
     AttentionInterface.register("sink_window", attention)
     model = load_model(str(model_dir)).to(device)
     model.set_attn_implementation("sink_window")
-    held = HeldOut(TensorData(load_shards(data / "heldout.safetensors")), adapter_for_family("llama").objective(ObjectiveSpec()),
-                   batch_size=64, num_batches=1000, seed=0)
+    held = HeldOut(
+        TensorData(load_shards(data / "heldout.safetensors")),
+        adapter_for_family("llama").objective(ObjectiveSpec()),
+        batch_size=64,
+        num_batches=1000,
+        seed=0,
+    )
     return held.loss(model, device=device, dtype=torch.float32)
 
 
@@ -229,11 +236,15 @@ def bench(kind: str, mini: Miniature, args, root: Path) -> dict:
             "converted_layers": saved["plan"]["layers"], "sensitivity": saved["plan"].get("sensitivity"),
             "curve": [{**r, "gap": gap(r["validation_loss"], original)} for r in curve],
         }
-        print(f"[{kind}] {label} ({time.perf_counter() - tic:.0f} s): " + ", ".join(f"{r['step']}: {gap(r['validation_loss'], original):+.1%}"
-                                               for r in curve), flush=True)
+        print(
+            f"[{kind}] {label} ({time.perf_counter() - tic:.0f} s): "
+            + ", ".join(f"{r['step']}: {gap(r['validation_loss'], original):+.1%}" for r in curve),
+            flush=True,
+        )
     if kind == "lm":
-        loss = sink_window_loss(Path(trained), data, args.window, args.sinks, "cuda" if torch.cuda.is_available()
-                                else "cpu")
+        loss = sink_window_loss(
+            Path(trained), data, args.window, args.sinks, "cuda" if torch.cuda.is_available() else "cpu"
+        )
         result["sink_window"] = {"window": args.window, "sinks": args.sinks, "loss": loss, "gap": gap(loss, original)}
         print(f"[lm] sliding window {args.window} + {args.sinks} sinks (no training): {gap(loss, original):+.1%}")
     return result
@@ -247,13 +258,20 @@ def point(curve: list[dict], step: int | None = None, stage: str | None = None) 
 def table(results: dict, args) -> str:
     lines = []
     for kind, res in results.items():
-        lines += [f"**{kind}** (original's held-out loss {res['original_loss']:.4f})", "",
-                  f"| variant | step 0 | after transfer | after {args.transfer_steps + args.finetune_steps} steps | "
-                  "best |", "|---|---|---|---|---|"]
+        lines += [
+            f"**{kind}** (original's held-out loss {res['original_loss']:.4f})",
+            "",
+            f"| variant | step 0 | after transfer | after {args.transfer_steps + args.finetune_steps} steps | best |",
+            "|---|---|---|---|---|",
+        ]
         for name, v in res["variants"].items():
             curve = v["curve"]
-            cells = [point(curve, 0), point(curve, args.transfer_steps, "attention_transfer") if v["transfer"] else None,
-                     curve[-1]["gap"], min(r["gap"] for r in curve)]
+            cells = [
+                point(curve, 0),
+                point(curve, args.transfer_steps, "attention_transfer") if v["transfer"] else None,
+                curve[-1]["gap"],
+                min(r["gap"] for r in curve),
+            ]
             lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:+.1%}" for c in cells) + " |")
         if "sink_window" in res:
             s = res["sink_window"]

@@ -24,7 +24,8 @@ from .models import load_model, tiny_model
 from .ops import mhla_attention
 
 __all__ = [
-    "ConversionReport", "MHLAConfig", "MHLAttention", "__version__", "clamp_mixing_", "convert", "evaluate", "from_pretrained",
-    "initial_mixing", "load_model", "locality_mixing", "mhla_attention", "mhla_layers", "push_to_hub",
-    "relative_causal_mixing", "save_pretrained", "tiny_model", "toeplitz_causal_mixing", "uniform_mixing",
+    "ConversionReport", "MHLAConfig", "MHLAttention", "__version__", "clamp_mixing_", "convert", "evaluate",
+    "from_pretrained", "initial_mixing", "load_model", "locality_mixing", "mhla_attention", "mhla_layers",
+    "push_to_hub", "relative_causal_mixing", "save_pretrained", "tiny_model", "toeplitz_causal_mixing",
+    "uniform_mixing",
 ]

@@ -77,9 +77,12 @@ def convert_command(
     fit_steps: int = typer.Option(0, help="--strategy auto: Adam steps fitting each layer to its original first."),
     layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
     attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1)."),
-    blocks: Optional[str] = typer.Option(None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."),
+    blocks: Optional[str] = typer.Option(
+        None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."
+    ),
     mixing_init: Optional[str] = typer.Option(
-        None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."),
+        None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
+    ),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     dtype: Optional[str] = typer.Option(None, help="Load and save in this dtype: bf16, fp16 or fp32."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
@@ -189,7 +192,8 @@ def push_command(
 
 @app.command("demo")
 def demo_command() -> None:
-    """The main job on a tiny built-in Wan, offline: convert, check, save, reload, attention transfer, fine-tune, sample."""
+    """The main job on a tiny built-in Wan, offline: convert, check, save, reload, attention transfer, fine-tune,
+    sample."""
     from .demo import run_demo
 
     try:

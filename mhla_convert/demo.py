@@ -35,7 +35,10 @@ def layer_reference_error(model, inputs, grid) -> float:
         x, rope = seen["args"][0], (seen["args"][3] if len(seen["args"]) > 3 else None)
         q, k, v = layer.project(x, None if rope is None else layer.rotary(*rope))
         cfg = layer.config
-        ref = mhla_attention_reference(q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
+        ref = mhla_attention_reference(
+            q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale,
+            eps=cfg.eps,
+        )
         return (layer.output(ref) - seen["out"]).abs().max().item()
 
 
@@ -43,7 +46,10 @@ def run_demo() -> None:
     model = tiny_model(MODEL)
     adapter = adapter_for_model(model)
     inputs = adapter.example_inputs(model, GRID)
-    print(f"{MODEL}: {sum(p.numel() for p in model.parameters()):,} parameters, input {tuple(inputs['hidden_states'].shape)} -> token grid {GRID}")
+    print(
+        f"{MODEL}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"input {tuple(inputs['hidden_states'].shape)} -> token grid {GRID}"
+    )
     report = convert(model, ratio=RATIO)
     print(report)
     error = layer_reference_error(model, inputs, GRID)

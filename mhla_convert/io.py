@@ -90,7 +90,9 @@ def _restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
 def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size) -> None:
     adapter = adapter_for_family(meta["family"])
     (directory / "config.json").write_text(json.dumps(adapter.model_config(model), indent=2, sort_keys=True))
-    save_torch_state_dict(model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
+    save_torch_state_dict(
+        model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+    )
     (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
 
 
@@ -136,7 +138,9 @@ def read_mhla_config(directory) -> dict[str, Any]:
         )
     meta = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -169,7 +173,9 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"]))
+        return Path(
+            snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"])
+        )
     except OSError as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
 
@@ -190,6 +196,13 @@ def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: s
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
     _restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
-    setattr(model, SOURCE_ATTR, {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"), "subfolder": meta.get("base_model_subfolder")})
+    setattr(
+        model,
+        SOURCE_ATTR,
+        {
+            "base_model": meta.get("base_model"),
+            "revision": meta.get("base_model_revision"),
+            "subfolder": meta.get("base_model_subfolder"),
+        },
+    )
     return place_model(model, torch_dtype, device).eval()
-

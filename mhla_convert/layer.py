@@ -84,17 +84,9 @@ class MHLAttention(nn.Module):
     """
 
     def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        *,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        qkv_bias: bool = False,
-        out_bias: bool = True,
-        out_dim: int | None = None,
-        qk_norm: Literal["across_heads", "per_head"] | None = None,
-        config: MHLAConfig | None = None,
+        self, dim: int, num_heads: int, *, head_dim: int | None = None, num_kv_heads: int | None = None,
+        qkv_bias: bool = False, out_bias: bool = True, out_dim: int | None = None,
+        qk_norm: Literal["across_heads", "per_head"] | None = None, config: MHLAConfig | None = None,
     ):
         super().__init__()
         self.config = config = config or MHLAConfig()
@@ -160,10 +152,14 @@ class MHLAttention(nn.Module):
         if cfg.causal:
             num_chunks = -(-q.shape[1] // cfg.chunk_size)
             mixing = toeplitz_causal_mixing(self.mixing, num_chunks)
-            return mhla_attention(q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, backend=cfg.backend, **self._op_options())
+            return mhla_attention(
+                q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, backend=cfg.backend, **self._op_options()
+            )
         if grid is None:
             raise ValueError("a non-causal MHLA layer needs the token grid: forward(x, grid=(H, W)) or (T, H, W)")
-        return mhla_attention(q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, backend=cfg.backend, **self._op_options())
+        return mhla_attention(
+            q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, backend=cfg.backend, **self._op_options()
+        )
 
     def decode(self, q, k, v, state: MHLAState | None) -> tuple[torch.Tensor, MHLAState]:
         """Causal attention that continues `state` (None: a fresh sequence) → output, new state.
@@ -179,7 +175,10 @@ class MHLAttention(nn.Module):
             return out, init_state(k, v, chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
         outs = []
         for t in range(q.shape[1]):
-            o, state = mhla_recurrent_step(state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, backend=cfg.backend, **self._op_options())
+            o, state = mhla_recurrent_step(
+                state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, backend=cfg.backend,
+                **self._op_options(),
+            )
             outs.append(o)
         return torch.cat(outs, dim=1), state
 
@@ -192,7 +191,8 @@ class MHLAttention(nn.Module):
     def extra_repr(self) -> str:
         cfg = self.config
         layout = f"window={cfg.window}, chunk={cfg.chunk_size}" if cfg.causal else f"blocks={cfg.blocks}"
-        return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, causal={cfg.causal}"
+        heads = f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        return f"{heads}, {layout}, causal={cfg.causal}"
 
 
 def mhla_layers(module: nn.Module) -> list[tuple[str, MHLAttention]]:

@@ -63,8 +63,12 @@ class Source:
 
     def describe(self) -> str:
         where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
-        return {"tiny": f"built-in tiny model {where} (random weights)", "converted": f"MHLA checkpoint {where}",
-                "local": f"local model {where}", "hub": f"hub model {where}" + (f" @ {self.revision[:12]}" if self.revision else "")}[self.kind]
+        return {
+            "tiny": f"built-in tiny model {where} (random weights)",
+            "converted": f"MHLA checkpoint {where}",
+            "local": f"local model {where}",
+            "hub": f"hub model {where}" + (f" @ {self.revision[:12]}" if self.revision else ""),
+        }[self.kind]
 
 
 def _local_source(path: Path) -> Source:
@@ -122,7 +126,17 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
 
         return from_pretrained(source.location, torch_dtype=torch_dtype, device=device, revision=source.revision)
     adapter = adapter_for_config(source.config)
-    kwargs = {k: v for k, v in (("subfolder", source.subfolder), ("revision", source.revision), ("torch_dtype", parse_dtype(torch_dtype))) if v is not None}
+    kwargs = {
+        k: v
+        for k, v in (
+            ("subfolder", source.subfolder),
+            ("revision", source.revision),
+            ("torch_dtype", parse_dtype(torch_dtype)),
+        )
+        if v is not None
+    }
     model = adapter.load_pretrained(source.location, **kwargs)
-    setattr(model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder})
+    setattr(
+        model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}
+    )
     return place_model(model, None, device).eval()

@@ -32,7 +32,9 @@ def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread"
         chosen = sorted({int(i) for i in layers})
         bad = [i for i in chosen if not 0 <= i < num_layers]
         if bad:
-            raise ValueError(f"layer indices {bad} out of range: the model has {num_layers} layers (0 … {num_layers - 1})")
+            raise ValueError(
+                f"layer indices {bad} out of range: the model has {num_layers} layers (0 … {num_layers - 1})"
+            )
         return chosen
     check_selection(ratio, strategy)
     k = round(ratio * num_layers)

@@ -46,7 +46,12 @@ def test_explicit_convert_command_layers_dtype_and_default_out(tiny, tmp_path, m
 
 def test_push_option_uploads(tiny, tmp_path, monkeypatch):
     pushed = {}
-    monkeypatch.setattr("mhla_convert.hub.push_to_hub", lambda directory, repo_id, private=None: pushed.update(dir=directory, repo=repo_id, private=private) or f"https://huggingface.co/{repo_id}")
+    monkeypatch.setattr(
+        "mhla_convert.hub.push_to_hub",
+        lambda directory, repo_id, private=None: (
+            pushed.update(dir=directory, repo=repo_id, private=private) or f"https://huggingface.co/{repo_id}"
+        ),
+    )
     result = invoke("tiny-sana", "--ratio", 0.5, "--out", tmp_path / "s", "--push", "me/sana-mhla", "--private")
     assert result.exit_code == 0, result.output
     assert pushed == {"dir": tmp_path / "s", "repo": "me/sana-mhla", "private": True}
@@ -56,7 +61,10 @@ def test_push_option_uploads(tiny, tmp_path, monkeypatch):
 def test_list_shows_aliases_tiny_models_and_families():
     result = invoke("list")
     assert result.exit_code == 0
-    for word in ("wan2.1", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "sana-1600m", "dit-xl-2-256", "tiny-wan-i2v", "PixArtTransformer2DModel"):
+    for word in (
+        "wan2.1", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "sana-1600m", "dit-xl-2-256", "tiny-wan-i2v",
+        "PixArtTransformer2DModel",
+    ):
         assert word in result.output
 
 
@@ -88,7 +96,9 @@ def test_errors_are_one_line(tmp_path, monkeypatch, args, message):
 def test_unsupported_architecture_names_the_families(tmp_path):
     from transformers import BertConfig, BertModel
 
-    BertModel(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=10)).save_pretrained(tmp_path / "bert")
+    BertModel(
+        BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8, vocab_size=10)
+    ).save_pretrained(tmp_path / "bert")
     result = invoke(tmp_path / "bert", "--out", tmp_path / "o")
     assert result.exit_code == 2 and "unsupported model" in result.output and "supported families: dit" in result.output
 

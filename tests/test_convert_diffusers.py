@@ -14,7 +14,13 @@ from mhla_convert.families.diffusers_base import DiffusersMHLA, fitted_blocks
 from mhla_convert.ops import mhla_attention_reference
 
 # (tiny model, a token grid whose axes the default blocks do not divide)
-FAMILIES = [("tiny-sana", (7, 9)), ("tiny-wan", (5, 6, 7)), ("tiny-wan-i2v", (3, 4, 5)), ("tiny-dit", (6, 6)), ("tiny-pixart", (7, 9))]
+FAMILIES = [
+    ("tiny-sana", (7, 9)),
+    ("tiny-wan", (5, 6, 7)),
+    ("tiny-wan-i2v", (3, 4, 5)),
+    ("tiny-dit", (6, 6)),
+    ("tiny-pixart", (7, 9)),
+]
 NAMES = [name for name, _ in FAMILIES]
 
 
@@ -46,7 +52,9 @@ def test_ratio_zero_is_bit_identical(tiny, run_model, name, grid):
     report = convert(model, ratio=0)
     assert report.converted == [] and not mhla_layers(model)
     assert torch.equal(run_model(model, inputs), before)
-    assert model.state_dict().keys() == state.keys() and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.state_dict().keys() == state.keys() and all(
+        torch.equal(state[k], v) for k, v in model.state_dict().items()
+    )
 
 
 def test_explicit_layers_and_strategies(tiny):
@@ -114,10 +122,12 @@ def test_teacher_copy_runs_on_the_args_the_student_sees(tiny):
     convert(model, layers=[1])
     student = model.blocks[1].attn1
     pairs = []
-    student.register_forward_hook(lambda m, args, kwargs, out: pairs.append((teacher(*args, **kwargs), out)), with_kwargs=True)
+    student.register_forward_hook(
+        lambda m, args, kwargs, out: pairs.append((teacher(*args, **kwargs), out)), with_kwargs=True
+    )
     with torch.no_grad():
         model(**_inputs(model, (2, 4, 4)))
-    (expected, got), = pairs
+    ((expected, got),) = pairs
     assert expected.shape == got.shape
 
 

@@ -11,7 +11,13 @@ from mhla_convert import convert, from_pretrained, push_to_hub, save_pretrained
 from mhla_convert.families import adapter_for_model
 from mhla_convert.models import load_model
 
-GRIDS = {"tiny-sana": (7, 9), "tiny-wan": (5, 6, 7), "tiny-wan-i2v": (3, 4, 5), "tiny-dit": (6, 6), "tiny-pixart": (7, 9)}
+GRIDS = {
+    "tiny-sana": (7, 9),
+    "tiny-wan": (5, 6, 7),
+    "tiny-wan-i2v": (3, 4, 5),
+    "tiny-dit": (6, 6),
+    "tiny-pixart": (7, 9),
+}
 
 
 def _inputs(model, name):
@@ -117,7 +123,11 @@ def test_push_to_hub_creates_repo_uploads_and_writes_card(tiny, tmp_path, monkey
     from huggingface_hub import HfApi
 
     calls = {}
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw)) and f"https://huggingface.co/{repo_id}")
+    monkeypatch.setattr(
+        HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw)) and f"https://huggingface.co/{repo_id}",
+    )
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.setdefault("upload", kw))
     model = tiny("tiny-wan")
     convert(model, ratio=0.67)

@@ -47,7 +47,9 @@ def _interpreter_works() -> bool:
 
 INTERPRETED = _interpreter_works()
 CUDA = torch.cuda.is_available() and not INTERPRETED
-interp = pytest.mark.skipif(not INTERPRETED, reason="kernels are compiled here, or triton was imported before TRITON_INTERPRET=1")
+interp = pytest.mark.skipif(
+    not INTERPRETED, reason="kernels are compiled here, or triton was imported before TRITON_INTERPRET=1"
+)
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 
@@ -141,7 +143,8 @@ def test_interpreter_split_blocks_and_reference(monkeypatch):
     want = mhla_attention_reference(q, k, v, mixing, grid=grid, blocks=blocks)
     assert ((got - want).norm() / want.norm()) < 1e-5
     _compare(((9, 40), (3, 1), None, False, 2, 2, 16, 16, True, True, "relu"), torch.float32, "cpu", 1e-5)
-    _compare(((9, 40), (3, 1), None, False, 4, 2, 16, 16, False, True, "elu"), torch.float32, "cpu", 1e-5)  # shared, GQA
+    # shared, GQA
+    _compare(((9, 40), (3, 1), None, False, 4, 2, 16, 16, False, True, "elu"), torch.float32, "cpu", 1e-5)
 
 
 @interp
@@ -198,7 +201,8 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     sweep kernel splits them into hi + lo half parts), so half-exact inputs give float32-exact sums."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, "half"): (16, 4, 2, 4)} if sweep else {})  # (M = 7: one tile of 16 rows)
+    # (M = 7: one tile of 16 rows)
+    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, "half"): (16, 4, 2, 4)} if sweep else {})
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(mhla_triton, "_run", lambda fn, *a: launched.append(fn) or real_run(fn, *a))
     device = "cuda" if CUDA else "cpu"
@@ -267,7 +271,9 @@ def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
     interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")})
+    monkeypatch.setattr(
+        mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")}
+    )
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -301,9 +307,15 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     tl.dot is wrong in Triton 3.6, bf16 on a GPU); grouped mixing heads keep the tiled kernels."""
     if not (INTERPRETED or CUDA):
         pytest.skip("needs the interpreter or a GPU")
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")})
+    monkeypatch.setattr(
+        mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")}
+    )
     launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest))
+    monkeypatch.setattr(
+        mhla_triton,
+        "_run",
+        lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
+    )
     dtype = torch.bfloat16 if CUDA else torch.float16
     case = CASES[name]
     _compare(case, dtype, "cuda" if CUDA else "cpu", TOL[dtype])
@@ -318,7 +330,10 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
 def test_interpreter_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_interpreter_ and not subprocess"]
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+        "test_interpreter_ and not subprocess",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and " passed" in summary and "skipped" not in summary, done.stdout[-3000:]
@@ -337,11 +352,16 @@ def test_dispatch_falls_back_to_torch():
     layout = BlockLayout.create((3, 4), (1, 2))
     relu = resolve_feature_map("relu")
     # auto never picks Triton off CUDA (the interpreter is for tests), nor for a callable φ
-    assert select("attention", "auto", mhla_attention_torch, q, q, q, torch.rand(2, 2), layout, causal=False, phi=relu) is mhla_attention_torch
+    assert (
+        select("attention", "auto", mhla_attention_torch, q, q, q, torch.rand(2, 2), layout, causal=False, phi=relu)
+        is mhla_attention_torch
+    )
     reason = mhla_triton.unsupported_reason(q, q, q, torch.rand(2, 2), layout, causal=False, phi=torch.sigmoid)
     assert "callable" in reason
     with pytest.raises(ValueError, match="triton backend does not take"):
-        mhla_attention(q, q, q, torch.rand(2, 2), grid=(3, 4), blocks=(1, 2), feature_map=torch.sigmoid, backend="triton")
+        mhla_attention(
+            q, q, q, torch.rand(2, 2), grid=(3, 4), blocks=(1, 2), feature_map=torch.sigmoid, backend="triton"
+        )
 
 
 # CUDA: real sizes of the target families, every dtype; tolerances for the operand precision
@@ -349,7 +369,8 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # half: 
 FAMILY_CASES = {
     "wan-d128": ((6, 10, 12), (3, 3, 4), None, False, 4, 4, 128, 128, False, True, "relu"),
     "dit-d72": ((32, 32), (4, 4), None, False, 4, 4, 72, 72, True, True, "relu"),
-    "wan-blocks-105": ((21, 10, 10), (7, 3, 5), None, False, 2, 2, 128, 128, False, True, "relu"),  # one 128-row mixing tile
+    # one 128-row mixing tile
+    "wan-blocks-105": ((21, 10, 10), (7, 3, 5), None, False, 2, 2, 128, 128, False, True, "relu"),
     "sana-d32-unnorm": ((33, 31), (4, 4), None, False, 6, 6, 32, 32, False, False, "relu"),
     "llm-d64-causal-gqa": ((1000,), None, 64, True, 8, 2, 64, 64, False, False, "relu"),
     "llm-d64-causal-per-head-elu": ((777,), None, 64, True, 4, 4, 64, 64, True, True, "elu"),
@@ -371,7 +392,9 @@ def test_cuda_matches_torch(name, dtype):
 def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
     """Per-head-dim launch shapes (4 warps, 3 stages at every head dim) and the cached direct launches
     (a second call replays the first call's compiled kernels, through Triton's C launcher itself)."""
-    monkeypatch.setattr(mhla_triton, "FWD_CONFIGS", {dims: (4, 3) for dims in ((128, 128), (72, 72), (24, 20), (32, 32))})
+    monkeypatch.setattr(
+        mhla_triton, "FWD_CONFIGS", {dims: (4, 3) for dims in ((128, 128), (72, 72), (24, 20), (32, 32))}
+    )
     case = {**CASES, **FAMILY_CASES}[name]
     compiled, real = [], mhla_triton._compiled
     monkeypatch.setattr(mhla_triton, "_compiled", lambda *a: compiled.append(real(*a)) or compiled[-1])
@@ -420,7 +443,11 @@ def test_cuda_chained_launches(name, monkeypatch):
     for chained in (True, False):
         monkeypatch.setattr(mhla_triton, "PDL", chained)
         launched = []
-        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append(launch[2]) or real_run(fn, launch, t, *rest))
+        monkeypatch.setattr(
+            mhla_triton,
+            "_run",
+            lambda fn, launch, t, *rest: launched.append(launch[2]) or real_run(fn, launch, t, *rest),
+        )
         torch.manual_seed(0)
         tensors = _inputs(case, torch.bfloat16, "cuda")
         grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
@@ -440,7 +467,11 @@ def test_cuda_one_tile_gradient_launch_settings(name, hilo, monkeypatch):
     give the torch path's results."""
     monkeypatch.setattr(mhla_triton, "HILO_SUMMARIES", hilo)
     launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest))
+    monkeypatch.setattr(
+        mhla_triton,
+        "_run",
+        lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
+    )
     _compare(FAMILY_CASES[name], torch.bfloat16, "cuda", TOL[torch.bfloat16])
     grads = [kw for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel and kw["GRAD"]]
     assert len(grads) == 1 and grads[0].get("HILO", False) == hilo
@@ -467,8 +498,14 @@ def test_cuda_partials_sum_on_a_second_stream(name, monkeypatch):
         streams = []
         monkeypatch.setattr(mhla_triton, "_mix_t", lambda *a: torch.cuda._sleep(10**7) or real_mix_t(*a))
         monkeypatch.setattr(mhla_triton._SideStream, "fork", fork_then_sleep)
-        monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t, stream=None: (
-            streams.append(stream) if fn is mhla_triton.K._sum_partials_kernel else None) or real_run(fn, launch, t, stream))
+        monkeypatch.setattr(
+            mhla_triton,
+            "_run",
+            lambda fn, launch, t, stream=None: (
+                (streams.append(stream) if fn is mhla_triton.K._sum_partials_kernel else None)
+                or real_run(fn, launch, t, stream)
+            ),
+        )
         torch.manual_seed(0)
         tensors = _inputs(case, torch.bfloat16, "cuda")
         grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
@@ -503,8 +540,9 @@ def test_cuda_inputs_on_several_devices_refused():
     """The launches pass bare addresses, so the backend itself refuses inputs on another device by name, also
     after a plan for the same shapes on one device exists (a CPU address would otherwise reach the kernel)."""
     q, k, v, mixing = _inputs(CASES["2d-odd-grid"], torch.float32, "cuda")
-    call = lambda m: mhla_triton.mhla_attention_triton(q, k, v, m, BlockLayout.create((7, 9), (2, 3)), causal=False,  # noqa: E731
-                                                       phi=resolve_feature_map("relu"), normalize=True, scale=0.25, eps=1e-6)
+    def call(m):
+        return mhla_triton.mhla_attention_triton(q, k, v, m, BlockLayout.create((7, 9), (2, 3)), causal=False,
+                                                 phi=resolve_feature_map("relu"), normalize=True, scale=0.25, eps=1e-6)
     call(mixing)
     with pytest.raises(ValueError, match="several devices"):
         call(mixing.detach().cpu())
@@ -541,11 +579,15 @@ def _step_compare(case, dtype, device, tol, batch=2):
     v = torch.randn(batch, n, kv_heads, dv, device=device).to(dtype)
     relative = torch.rand(*((heads,) if per_head else ()), window, device=device) + 0.1
     opts = dict(feature_map=fmap, normalize=normalize)
-    state = {b: init_state(k[:, :prefix], v[:, :prefix], chunk_size=chunk, window=window, feature_map=fmap)
-             for b in ("torch", "triton")}
+    state = {
+        b: init_state(k[:, :prefix], v[:, :prefix], chunk_size=chunk, window=window, feature_map=fmap)
+        for b in ("torch", "triton")
+    }
     for t in range(prefix, n):
         step = [x[:, t : t + 1] for x in (q, k, v)]
-        want, state["torch"] = mhla_recurrent_step(state["torch"], *[x.float() for x in step], relative, backend="torch", **opts)
+        want, state["torch"] = mhla_recurrent_step(
+            state["torch"], *[x.float() for x in step], relative, backend="torch", **opts
+        )
         prev = state["triton"]
         old = prev.map(torch.clone)
         got, state["triton"] = mhla_recurrent_step(prev, *step, relative, backend="triton", **opts)
@@ -618,7 +660,9 @@ def test_cuda_recurrent_step_matches_torch(name, dtype):
 def test_cuda_auto_step_uses_triton():
     q = torch.randn(1, 1, 2, 16, device="cuda", dtype=torch.bfloat16)
     state = init_state(q[:, :0], q[:, :0], chunk_size=4, window=3)
-    impl = select("step", "auto", step_torch, state, q, q, q, torch.rand(3, device="cuda"), phi=resolve_feature_map("relu"))
+    impl = select(
+        "step", "auto", step_torch, state, q, q, q, torch.rand(3, device="cuda"), phi=resolve_feature_map("relu")
+    )
     assert impl is mhla_recurrent_step_triton
 
 
@@ -653,10 +697,16 @@ def _compare_rotary(case, dtype, device, tol):
     x, cos, sin, norm = _rotary_inputs(case, dtype, device)
     dim = case[3]
     with torch.no_grad():
-        norm32 = None if norm is None else type(norm)(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None)
+        norm32 = (
+            None
+            if norm is None
+            else type(norm)(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None)
+        )
         if norm is not None and norm.weight is not None:
             norm32.weight.copy_(norm.weight.float())
-        want = norm_rotate_interleaved(x.float(), cos, sin, head_dim=dim, norm=None if norm is None else norm32.to(device), backend="torch")
+        want = norm_rotate_interleaved(
+            x.float(), cos, sin, head_dim=dim, norm=None if norm is None else norm32.to(device), backend="torch"
+        )
         got = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
         own = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
     assert got.shape == want.shape and torch.isfinite(got).all(), "wrong shape, or an unwritten element"

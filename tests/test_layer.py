@@ -10,7 +10,9 @@ from mhla_convert.ops import mhla_attention_reference
 
 def test_non_causal_layer_matches_reference_on_odd_grid():
     torch.manual_seed(0)
-    layer = MHLAttention(32, 4, num_kv_heads=2, config=MHLAConfig(blocks=(2, 3), per_head_mixing=True, output_norm=True))
+    layer = MHLAttention(
+        32, 4, num_kv_heads=2, config=MHLAConfig(blocks=(2, 3), per_head_mixing=True, output_norm=True)
+    )
     assert layer.mixing.shape == (4, 6, 6)
     x = torch.randn(2, 7 * 9, 32)
     q, k, v = layer.project(x)

@@ -91,7 +91,9 @@ def test_ratios(ratio, expected):
     logits = model(x).logits
     report = convert(model, ratio=ratio, chunk_size=C)
     assert report.converted == expected
-    assert [isinstance(layer.self_attn, MHLALlamaAttention) for layer in model.model.layers] == [i in expected for i in range(4)]
+    assert [isinstance(layer.self_attn, MHLALlamaAttention) for layer in model.model.layers] == [
+        i in expected for i in range(4)
+    ]
     if not expected:
         assert torch.equal(model(x).logits, logits)
 
@@ -102,7 +104,9 @@ def test_explicit_layers():
     assert model(ids()).logits.shape == (2, 40, 128)
 
 
-@pytest.mark.parametrize("family, ratio", [("llama", 1.0), ("llama", 0.5), ("qwen2", 0.5), ("qwen3", 1.0), ("mistral", 0.5)])
+@pytest.mark.parametrize(
+    "family, ratio", [("llama", 1.0), ("llama", 0.5), ("qwen2", 0.5), ("qwen3", 1.0), ("mistral", 0.5)]
+)
 def test_generate_with_cache_equals_without(family, ratio):
     model = tiny(family)
     convert(model, ratio=ratio, chunk_size=C)
@@ -189,7 +193,12 @@ def test_state_size_formula():
 
 
 def test_adapter_builds_and_detects():
-    expected = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM}
+    expected = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+        "mistral": MistralForCausalLM,
+    }
     assert ADAPTER.tiny_config() == ADAPTER.tiny_configs()["tiny-llama"]
     for family in FAMILIES:
         model = tiny(family)

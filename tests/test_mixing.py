@@ -56,7 +56,9 @@ def test_blend_and_bad_init():
 
 
 def test_clamp_projects_every_mixing_onto_unit_interval():
-    model = torch.nn.Sequential(MHLAttention(16, 2, config=MHLAConfig(blocks=(2,))), MHLAttention(16, 2, config=MHLAConfig(causal=True)))
+    model = torch.nn.Sequential(
+        MHLAttention(16, 2, config=MHLAConfig(blocks=(2,))), MHLAttention(16, 2, config=MHLAConfig(causal=True))
+    )
     with torch.no_grad():
         for layer in model:
             layer.mixing.uniform_(-2, 2)

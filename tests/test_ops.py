@@ -16,7 +16,9 @@ from mhla_convert.ops import (
 )
 
 # (grid, blocks): divisible and not, 1-D / 2-D / 3-D, a block count equal to its axis
-LAYOUTS = [((16,), (4,)), ((13,), (4,)), ((4, 4), (2, 2)), ((7, 9), (2, 4)), ((5, 3, 4), (2, 3, 2)), ((3, 5, 7), (3, 2, 3))]
+LAYOUTS = [
+    ((16,), (4,)), ((13,), (4,)), ((4, 4), (2, 2)), ((7, 9), (2, 4)), ((5, 3, 4), (2, 3, 2)), ((3, 5, 7), (3, 2, 3)),
+]
 
 
 def _inputs(grid, blocks, *, batch=2, heads=4, kv_heads=2, dim=8, dv=6, per_head=False, dtype=torch.float32, seed=0):
@@ -60,7 +62,9 @@ def test_causal_chunk_size_keeps_boundaries_fixed():
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("grid,blocks,causal", [((7, 9), (2, 4), False), ((5, 3, 4), (2, 3, 2), False), ((29,), (5,), True)])
+@pytest.mark.parametrize(
+    "grid,blocks,causal", [((7, 9), (2, 4), False), ((5, 3, 4), (2, 3, 2), False), ((29,), (5,), True)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_close_to_fp32_reference(grid, blocks, causal, dtype):
     q, k, v, mix = _inputs(grid, blocks, dtype=dtype, per_head=True)
@@ -76,10 +80,14 @@ def test_other_feature_maps_on_padded_grid(feature_map):
     """φ(0) ≠ 0 for these, so padded slots must be zeroed after φ, not before."""
     q, k, v, mix = _inputs((7, 9), (2, 4))
     kw = dict(grid=(7, 9), blocks=(2, 4), feature_map=feature_map)
-    torch.testing.assert_close(mhla_attention(q, k, v, mix, **kw), mhla_attention_reference(q, k, v, mix, **kw), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        mhla_attention(q, k, v, mix, **kw), mhla_attention_reference(q, k, v, mix, **kw), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("grid,blocks,causal", [((5, 3), (2, 2), False), ((3, 2, 3), (2, 1, 2), False), ((11,), (3,), True)])
+@pytest.mark.parametrize(
+    "grid,blocks,causal", [((5, 3), (2, 2), False), ((3, 2, 3), (2, 1, 2), False), ((11,), (3,), True)]
+)
 @pytest.mark.parametrize("normalize", [True, False])
 def test_gradcheck(grid, blocks, causal, normalize):
     q, k, v, mix = _inputs(grid, blocks, batch=1, heads=2, kv_heads=1, dim=3, dv=2, per_head=True, dtype=torch.float64)
@@ -101,7 +109,10 @@ def test_single_block_is_plain_linear_attention(causal):
         kv = torch.einsum("bshd,bshe->bshde", fk, vv).cumsum(1)
         num, den = torch.einsum("bthd,bthde->bthe", fq, kv), torch.einsum("bthd,bthd->bth", fq, fk.cumsum(1))
     else:
-        num, den = torch.einsum("bthd,bhde->bthe", fq, torch.einsum("bshd,bshe->bhde", fk, vv)), torch.einsum("bthd,bhd->bth", fq, fk.sum(1))
+        num, den = (
+            torch.einsum("bthd,bhde->bthe", fq, torch.einsum("bshd,bshe->bhde", fk, vv)),
+            torch.einsum("bthd,bhd->bth", fq, fk.sum(1)),
+        )
     torch.testing.assert_close(out, num / (den.unsqueeze(-1) + 1e-6), rtol=1e-5, atol=1e-5)
 
 
@@ -111,7 +122,9 @@ def test_recurrent_steps_equal_parallel_causal(window, prefix):
     q, k, v, _ = _inputs((37,), (1,), dtype=torch.float64)
     rel = torch.rand(4, window, dtype=torch.float64)
     chunk = 4
-    parallel = mhla_attention(q, k, v, toeplitz_causal_mixing(rel, math.ceil(37 / chunk)), causal=True, chunk_size=chunk)
+    parallel = mhla_attention(
+        q, k, v, toeplitz_causal_mixing(rel, math.ceil(37 / chunk)), causal=True, chunk_size=chunk
+    )
     state = init_state(k[:, :prefix], v[:, :prefix], chunk_size=chunk, window=window)
     sizes, outs = set(), []
     for t in range(prefix, 37):
@@ -149,17 +162,14 @@ def test_block_layout_roundtrip_and_ids():
 
 
 BAD = [
-    (dict(q=(2, 12, 4)), "q must be (B, N, H, D)"),
-    (dict(grid=(3, 5)), "prod(grid) must equal N=12"),
+    (dict(q=(2, 12, 4)), "q must be (B, N, H, D)"), (dict(grid=(3, 5)), "prod(grid) must equal N=12"),
     (dict(blocks=(2,)), "blocks must have one entry per grid axis"),
     (dict(blocks=(2, 5)), "blocks[1] must be in [1, 4]"),
     (dict(mixing=(3, 3)), "mixing must be (M, M) = (4, 4) or (H, M, M) = (4, 4, 4)"),
-    (dict(mixing=(2, 4, 4)), "mixing must be (M, M)"),
-    (dict(causal=True), "causal attention needs a 1-D grid"),
+    (dict(mixing=(2, 4, 4)), "mixing must be (M, M)"), (dict(causal=True), "causal attention needs a 1-D grid"),
     (dict(k=(2, 12, 3, 8), v=(2, 12, 3, 8)), "q heads (4) must be a multiple of k/v heads (3)"),
     (dict(k=(2, 11, 2, 8)), "k must be (B=2, N=12, H_kv, D=8)"),
-    (dict(v=(2, 12, 1, 8)), "v must be (B=2, N=12, H_kv=2, D_v)"),
-    (dict(grid=None), "grid is required"),
+    (dict(v=(2, 12, 1, 8)), "v must be (B=2, N=12, H_kv=2, D_v)"), (dict(grid=None), "grid is required"),
     (dict(feature_map="gelu"), "feature_map must be one of"),
 ]
 
@@ -179,5 +189,7 @@ def test_bad_input_names_the_argument(change, message):
             shapes[name] = change.pop(name)
     kw.update(change)
     tensors = {name: torch.rand(shape) for name, shape in shapes.items()}
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         mhla_attention(tensors["q"], tensors["k"], tensors["v"], tensors["mixing"], **kw)

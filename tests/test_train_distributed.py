@@ -36,8 +36,14 @@ def _launch(args: list[str], port: int, *launch: str) -> subprocess.CompletedPro
 
 
 def test_two_process_accelerate_launch(tmp_path):
-    result = _launch(["-m", "mhla_convert.train", str(ROOT / "recipes" / "tiny-dit.yaml"), "--out", str(tmp_path / "run"),
-                      "--set", "stages.1.steps=10", "--set", "checkpoint_every=5"], 29517, "--multi_gpu")
+    result = _launch(
+        [
+            "-m", "mhla_convert.train", str(ROOT / "recipes" / "tiny-dit.yaml"), "--out", str(tmp_path / "run"),
+            "--set", "stages.1.steps=10", "--set", "checkpoint_every=5",
+        ],
+        29517,
+        "--multi_gpu",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
     last = sorted((run / "checkpoints").iterdir())[-1]
@@ -83,7 +89,9 @@ def test_fsdp2_two_stage_recipe_resumes_in_either_stage(tmp_path):
     from mhla_convert.train.build import build_model
 
     def weights(run):
-        return {k: v for f in sorted((tmp_path / run / "model").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        return {
+            k: v for f in sorted((tmp_path / run / "model").glob("*.safetensors")) for k, v in load_file(str(f)).items()
+        }
 
     full, cut = weights("full"), weights("cut")
     assert full.keys() == cut.keys()
@@ -93,7 +101,9 @@ def test_fsdp2_two_stage_recipe_resumes_in_either_stage(tmp_path):
     set_seed(0)  # the trainer's own seed and build: the weights the run started from
     base = build_model(parse_recipe(TWO_STAGES), teachers=False).model.state_dict()
     ff = [k for k in full if ".ff." in k]
-    assert ff and all(not torch.equal(full[k], base[k]) for k in ff), "the fine-tuning stage did not train the feed-forward layers"
+    assert ff and all(not torch.equal(full[k], base[k]) for k in ff), (
+        "the fine-tuning stage did not train the feed-forward layers"
+    )
     attention = [k for k in full if ".attn1.to_q." in k]
     assert attention and all(not torch.equal(full[k], base[k]) for k in attention)
 

@@ -47,10 +47,14 @@ logging: {{trackers: []}}
 """)
 
 
-@pytest.mark.parametrize("family, video, size, blocks", [("dit", False, 32, "null"), ("sana", False, 16, "null"), ("wan", True, 64, "1x2x2")])
+@pytest.mark.parametrize(
+    "family, video, size, blocks", [("dit", False, 32, "null"), ("sana", False, 16, "null"), ("wan", True, 64, "1x2x2")]
+)
 def test_folder_is_encoded_once_and_reused(family, video, size, blocks, tmp_path, monkeypatch):
     root = _folder(tmp_path / "data", video)
-    recipe = _recipe(family, f"{{kind: folder, path: {root}, height: {size}, width: {size}, num_frames: 5, batch_size: 2}}", blocks)
+    recipe = _recipe(
+        family, f"{{kind: folder, path: {root}, height: {size}, width: {size}, num_frames: 5, batch_size: 2}}", blocks
+    )
     train(recipe, tmp_path / "run1", **QUIET)
     caches = list((root / ".mhla_cache").glob("*/meta.json"))
     assert len(caches) == 1 and json.loads(caches[0].read_text())["num_examples"] == 4
@@ -67,7 +71,11 @@ def test_folder_is_encoded_once_and_reused(family, video, size, blocks, tmp_path
 
 def test_text_corpus_is_packed_and_cached(tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox jumps over the lazy dog"}) + "\n" for i in range(20)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": f"line {i}: the quick brown fox jumps over the lazy dog"}) + "\n" for i in range(20)
+        )
+    )
     recipe = _recipe("llama", f"{{kind: text, path: {corpus}, context_length: 32, batch_size: 2}}")
     train(recipe, tmp_path / "run1", **QUIET)
     monkeypatch.setattr(encode, "pack_text", lambda *a: (_ for _ in ()).throw(AssertionError("packed again")))
@@ -89,7 +97,9 @@ def test_empty_or_broken_folders_are_refused(tmp_path):
 def test_i2v_video_folder_is_encoded_once_and_reused(tmp_path, monkeypatch):
     """Wan I2V: latents, 512-token text, the first-frame condition and CLIP image embeddings, cached."""
     root = _folder(tmp_path / "data", video=True, n=3)
-    recipe = _recipe("wan-i2v", f"{{kind: folder, path: {root}, height: 64, width: 64, num_frames: 5, batch_size: 2}}", "1x2x2")
+    recipe = _recipe(
+        "wan-i2v", f"{{kind: folder, path: {root}, height: 64, width: 64, num_frames: 5, batch_size: 2}}", "1x2x2"
+    )
     train(recipe, tmp_path / "run1", **QUIET)
     (cache,) = [m.parent for m in (root / ".mhla_cache").glob("*/meta.json")]
     columns = load_shards(cache)

@@ -27,26 +27,50 @@ def test_every_recipe_validates(path):
 
 def test_recipes_exist():
     names = {p.name for p in RECIPES}
-    for required in ("sana-600m-mhla.yaml", "sana-1600m-mhla.yaml", "wan2.1-1.3b-mhla.yaml", "wan2.1-1.3b-mhla-h67.yaml",
-                     "dit-xl-2-256-mhla.yaml", "llama-3.2-1b-mhla.yaml", "tiny-dit.yaml", "tiny-wan.yaml", "tiny-llama.yaml"):
+    for required in (
+        "sana-600m-mhla.yaml", "sana-1600m-mhla.yaml", "wan2.1-1.3b-mhla.yaml", "wan2.1-1.3b-mhla-h67.yaml",
+        "dit-xl-2-256-mhla.yaml", "llama-3.2-1b-mhla.yaml", "tiny-dit.yaml", "tiny-wan.yaml", "tiny-llama.yaml",
+    ):
         assert required in names
 
 
-@pytest.mark.parametrize("text, expected", [
-    (GOOD + "optimiser: {lr: 1}\n", r"r.yaml:8: optimiser: unknown key; allowed keys here: model, data, stages"),
-    (GOOD.replace("kind: synthetic", "kind: imagefolder"), r"r.yaml:4: data.kind: expected one of 'synthetic', 'folder', 'latents', 'text'; got 'imagefolder'"),
-    (GOOD.replace("steps: 3", "steps: 3\n    trian: all"), r"r.yaml:8: stages\[0\].trian: unknown key; allowed keys here: name, steps, lr, train, lora"),
-    (GOOD.replace("steps: 3", "steps: many"), r"r.yaml:7: stages\[0\].steps: expected an integer; got 'many'"),
-    (GOOD.replace("name: finetune", "name: distill"), r"stages\[0\].name: expected one of 'attention_transfer', 'finetune'"),
-    (GOOD + "precision: fp8\n", r"r.yaml:8: precision: expected one of 'no', 'bf16', 'fp16'"),
-    (GOOD + "conversion: {options: {mixing_inti: uniform}}\n", r"r.yaml:8: conversion.options.mixing_inti: unknown MHLA option; allowed: .*mixing_init"),
-    (GOOD.replace("  name: tiny-dit", "  checkpoint: x\n  name: tiny-dit"), r"r.yaml:1: model: give exactly one of model.name"),
-    (GOOD.replace("kind: synthetic", "kind: folder"), r"data.path: data.kind 'folder' needs data.path"),
-    (GOOD + "logging: {trackers: [tensorbord]}\n", r"logging.trackers\[0\]: unknown tracker 'tensorbord'"),
-    (GOOD.replace("name: finetune", "name: attention_transfer").replace("steps: 3", "steps: 3\n    train: all"), r"attention_transfer trains the MHLA layers only"),
-    ("model: [1, 2\n", r"r.yaml:\d+: not valid YAML"),
-    ("model: {name: tiny-dit}\n", r"r.yaml:1: recipe: missing required key\(s\): data, stages"),
-], ids=lambda v: None if "\n" in v else v[:40])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (GOOD + "optimiser: {lr: 1}\n", r"r.yaml:8: optimiser: unknown key; allowed keys here: model, data, stages"),
+        (
+            GOOD.replace("kind: synthetic", "kind: imagefolder"),
+            r"r.yaml:4: data.kind: expected one of 'synthetic', 'folder', 'latents', 'text'; got 'imagefolder'",
+        ),
+        (
+            GOOD.replace("steps: 3", "steps: 3\n    trian: all"),
+            r"r.yaml:8: stages\[0\].trian: unknown key; allowed keys here: name, steps, lr, train, lora",
+        ),
+        (GOOD.replace("steps: 3", "steps: many"), r"r.yaml:7: stages\[0\].steps: expected an integer; got 'many'"),
+        (
+            GOOD.replace("name: finetune", "name: distill"),
+            r"stages\[0\].name: expected one of 'attention_transfer', 'finetune'",
+        ),
+        (GOOD + "precision: fp8\n", r"r.yaml:8: precision: expected one of 'no', 'bf16', 'fp16'"),
+        (
+            GOOD + "conversion: {options: {mixing_inti: uniform}}\n",
+            r"r.yaml:8: conversion.options.mixing_inti: unknown MHLA option; allowed: .*mixing_init",
+        ),
+        (
+            GOOD.replace("  name: tiny-dit", "  checkpoint: x\n  name: tiny-dit"),
+            r"r.yaml:1: model: give exactly one of model.name",
+        ),
+        (GOOD.replace("kind: synthetic", "kind: folder"), r"data.path: data.kind 'folder' needs data.path"),
+        (GOOD + "logging: {trackers: [tensorbord]}\n", r"logging.trackers\[0\]: unknown tracker 'tensorbord'"),
+        (
+            GOOD.replace("name: finetune", "name: attention_transfer").replace("steps: 3", "steps: 3\n    train: all"),
+            r"attention_transfer trains the MHLA layers only",
+        ),
+        ("model: [1, 2\n", r"r.yaml:\d+: not valid YAML"),
+        ("model: {name: tiny-dit}\n", r"r.yaml:1: recipe: missing required key\(s\): data, stages"),
+    ],
+    ids=lambda v: None if "\n" in v else v[:40],
+)
 def test_malformed_recipes_are_refused(text, expected):
     with pytest.raises(RecipeError, match=expected):
         parse_recipe(text, "r.yaml")

@@ -49,7 +49,9 @@ def _layer_errors(trainer: Trainer) -> list[float]:
 @pytest.mark.parametrize("family", ["dit", "llama"])
 def test_attention_transfer_lowers_each_layers_error(family, tmp_path):
     lr = load_recipe(RECIPES / f"tiny-{family}.yaml").stages[0].lr
-    recipe = load_recipe(RECIPES / f"tiny-{family}.yaml", QUIET + [f"stages=[{{name: attention_transfer, steps: 25, lr: {lr}}}]"])
+    recipe = load_recipe(
+        RECIPES / f"tiny-{family}.yaml", QUIET + [f"stages=[{{name: attention_transfer, steps: 25, lr: {lr}}}]"]
+    )
     trainer = Trainer(recipe, tmp_path / "run", log=lambda *_: None)
     before = _layer_errors(trainer)
     trainer.run()
@@ -87,7 +89,9 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 
 
 def test_mixing_stays_in_unit_interval(tmp_path):
-    recipe = parse_recipe(TINY, overrides=["optimizer.lr=5.0", "optimizer.grad_clip=null", "stages.1.train=mhla", "checkpoint_every=0"])
+    recipe = parse_recipe(
+        TINY, overrides=["optimizer.lr=5.0", "optimizer.grad_clip=null", "stages.1.train=mhla", "checkpoint_every=0"]
+    )
     out = train(recipe, tmp_path / "run", log=lambda *_: None)
     mixing = [layer.mixing for _, layer in mhla_convert.mhla_layers(mhla_convert.from_pretrained(out))]
     assert mixing and all(bool(((m >= 0) & (m <= 1)).all()) for m in mixing)
@@ -97,8 +101,14 @@ def test_mixing_stays_in_unit_interval(tmp_path):
 def test_lora_saves_an_adapter_or_merges(tmp_path):
     lora = ["stages.1.train=lora", "stages.1.lr=1.0e-2", "checkpoint_every=0"]
     merged = train(parse_recipe(TINY, overrides=lora), tmp_path / "merged", log=lambda *_: None)
-    kept = train(parse_recipe(TINY, overrides=lora + ["stages.1.lora={merge: false, r: 4, alpha: 8}"]), tmp_path / "kept", log=lambda *_: None)
-    assert not any("lora" in k for k in _weights(tmp_path / "merged")) and not any("lora" in k for k in _weights(tmp_path / "kept"))
+    kept = train(
+        parse_recipe(TINY, overrides=lora + ["stages.1.lora={merge: false, r: 4, alpha: 8}"]),
+        tmp_path / "kept",
+        log=lambda *_: None,
+    )
+    assert not any("lora" in k for k in _weights(tmp_path / "merged")) and not any(
+        "lora" in k for k in _weights(tmp_path / "kept")
+    )
     adapter = load_file(str(tmp_path / "kept" / "adapter" / "adapter_model.safetensors"))
     config = json.loads((tmp_path / "kept" / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and adapter
@@ -124,7 +134,9 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
         return loss * float("nan") if calls["n"] > 10 else loss  # 2 micro-steps a step: step 6 goes bad
 
     monkeypatch.setattr(objectives.EpsPrediction, "loss", poisoned)
-    with pytest.raises(TrainError, match=r"loss became nan at step 6 \(finetune\); stopped\. Last good checkpoint: .*step-00000004"):
+    with pytest.raises(
+        TrainError, match=r"loss became nan at step 6 \(finetune\); stopped\. Last good checkpoint: .*step-00000004"
+    ):
         train(parse_recipe(TINY), tmp_path / "run", log=lambda *_: None)
     assert (tmp_path / "run" / "checkpoints" / "step-00000004" / "progress.json").exists()
     assert not (tmp_path / "run" / "model").exists()

@@ -33,7 +33,10 @@ def test_sample_i2v_from_a_first_frame(tmp_path):
     ckpt = _checkpoint("tiny-wan-i2v", tmp_path / "ckpt")
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(tmp_path / "first.png")
     out = tmp_path / "clip.mp4"
-    args = ["sample", str(ckpt), "--prompt", "a red cube", "--image", str(tmp_path / "first.png"), "--out", str(out), "--steps", "2"]
+    args = [
+        "sample", str(ckpt), "--prompt", "a red cube", "--image", str(tmp_path / "first.png"), "--out", str(out),
+        "--steps", "2",
+    ]
     result = CliRunner().invoke(_cli(), args)
     assert result.exit_code == 0, result.output
     assert imageio.get_reader(out).count_frames() == 5
@@ -51,7 +54,11 @@ def test_sample_refuses_a_wrong_image_option_in_one_line(name, image, message, t
 
 def test_sample_refuses_a_missing_checkpoint_in_one_line(tmp_path):
     result = CliRunner().invoke(_cli(), ["sample", str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")])
-    assert result.exit_code == 2 and result.output.startswith("error: cannot load checkpoint") and result.output.count("\n") == 1
+    assert (
+        result.exit_code == 2
+        and result.output.startswith("error: cannot load checkpoint")
+        and result.output.count("\n") == 1
+    )
 
 
 def test_pipeline_demo(tmp_path, capsys):

@@ -11,5 +11,6 @@ from .base import (
 )
 
 __all__ = [
-    "FamilyAdapter", "UnsupportedModelError", "adapter_for_config", "adapter_for_family", "adapter_for_model", "families", "register",
+    "FamilyAdapter", "UnsupportedModelError", "adapter_for_config", "adapter_for_family", "adapter_for_model",
+    "families", "register",
 ]

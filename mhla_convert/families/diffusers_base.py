@@ -85,7 +85,9 @@ class DiffusersMHLA(MHLAttention):
         if has_norm:
             layer.norm_q, layer.norm_k = host.norm_q, host.norm_k
         weight = host.to_q.weight
-        layer.mixing = nn.Parameter(layer._initial_mixing().to(weight.device, weight.dtype), requires_grad=config.learnable_mixing)
+        layer.mixing = nn.Parameter(
+            layer._initial_mixing().to(weight.device, weight.dtype), requires_grad=config.learnable_mixing
+        )
         for module in layer.out_norm.modules():  # a new output norm: identity at init
             module.to_empty(device=weight.device, recurse=False)
             if hasattr(module, "reset_parameters"):
@@ -112,7 +114,9 @@ class DiffusersMHLA(MHLAttention):
             return super().attend(q, k, v, grid)
         kept = kept.to(self.mixing.device)
         mixing = self.mixing[..., kept, :][..., kept]
-        return mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend=self.config.backend, **self._op_options())
+        return mhla_attention(
+            q, k, v, mixing, grid=grid, blocks=blocks, backend=self.config.backend, **self._op_options()
+        )
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -177,7 +181,8 @@ class DiffusersAdapter(FamilyAdapter):
     def check_host(self, host: nn.Module, where: str) -> None:
         """Refuse attention features the MHLA layer would silently drop."""
         unsupported = {
-            "cross-attention": getattr(host, "is_cross_attention", False) or getattr(host, "only_cross_attention", False),
+            "cross-attention": getattr(host, "is_cross_attention", False)
+            or getattr(host, "only_cross_attention", False),
             "added key/value projections": getattr(host, "add_k_proj", None) is not None,
             "a group norm": getattr(host, "group_norm", None) is not None,
             "a spatial norm": getattr(host, "spatial_norm", None) is not None,
@@ -198,7 +203,9 @@ class DiffusersAdapter(FamilyAdapter):
         block.attn1 = layer
         return layer
 
-    def example_inputs(self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1) -> dict[str, Any]:
+    def example_inputs(
+        self, model: nn.Module, grid: tuple[int, ...] | None = None, batch_size: int = 1
+    ) -> dict[str, Any]:
         """Latents for `grid` (default: the model's native grid) and a timestep; families add their conditioning."""
         grid = grid or self.native_grid(model)
         sizes = [g * p for g, p in zip(grid, self.patch_size(model))]

@@ -81,6 +81,8 @@ def mhla_cache_layer(cache: Cache, layer_idx: int) -> MHLACacheLayer:
     if isinstance(slot, StaticLayer):
         raise ValueError("MHLA layers need a dynamic cache: call generate() without cache_implementation='static'")
     if slot.get_seq_length() > 0:
-        raise ValueError(f"cache layer {layer_idx} already holds softmax keys/values; an MHLA layer cannot continue from them")
+        raise ValueError(
+            f"cache layer {layer_idx} already holds softmax keys/values; an MHLA layer cannot continue from them"
+        )
     layers[layer_idx] = MHLACacheLayer()
     return layers[layer_idx]

@@ -26,7 +26,11 @@ class PixArtAdapter(DiffusersAdapter):
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         caption = self._text(model, batch_size, 8, model.config.caption_channels)
         conditions = {"resolution": None, "aspect_ratio": None}  # used only by 1024px PixArt-α
-        return {**super().example_inputs(model, grid, batch_size), "encoder_hidden_states": caption, "added_cond_kwargs": conditions}
+        return {
+            **super().example_inputs(model, grid, batch_size),
+            "encoder_hidden_states": caption,
+            "added_cond_kwargs": conditions,
+        }
 
     def tiny_config(self) -> dict[str, Any]:
         return dict(

@@ -13,5 +13,7 @@ register("attention", "triton", mhla_attention_triton, supports)
 register("step", "triton", mhla_recurrent_step_triton, step_supports)
 register("rotary", "triton", norm_rotate_triton, norm_rotate_supports)
 
-__all__ = ["mhla_attention_triton", "mhla_recurrent_step_triton", "norm_rotate_supports", "norm_rotate_triton",
-           "norm_rotate_unsupported_reason", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason"]
+__all__ = [
+    "mhla_attention_triton", "mhla_recurrent_step_triton", "norm_rotate_supports", "norm_rotate_triton",
+    "norm_rotate_unsupported_reason", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason",
+]

@@ -2,7 +2,8 @@
 is the naive reference each kernel is tested against).
 
 Summaries live in one row per (batch, head, block) of COLS = D·Dv + D columns (float32; the input's
-half precision in inference): S_b row major, then z_b. That makes the mixing one plain GEMM over M for numerator and normaliser alike.
+half precision in inference): S_b row major, then z_b. That makes the mixing one plain GEMM over M for
+numerator and normaliser alike.
 
 Grid → block mapping is index arithmetic (`_rows`): every grid is seen as 3-D (T, H, W) with
 leading axes of length 1, block m covers the box of per-axis size s_a = ceil(L_a / b_a) at block
@@ -76,9 +77,9 @@ def _load_phi(base, n, valid, stride_n, d, dmask, PHI: tl.constexpr):
 
 @triton.jit
 def _summaries_kernel(
-    K, V, S, W, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HS, M, COLS: tl.constexpr,
-    L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
+    K, V, S, W, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, HS, M,
+    COLS: tl.constexpr, L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr,
+    DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, ATOMIC: tl.constexpr,
     DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0,
     GROUP: tl.constexpr = 1, WEIGHTED: tl.constexpr = False, scale=1.0, PDL: tl.constexpr = False,
     HILO: tl.constexpr = False, LO=0,
@@ -135,7 +136,8 @@ def _summaries_kernel(
             wz = tl.load(wp + nt + n, mask=valid, other=0.0)
             wz_hi = wz.to(dt)
             col = tl.arange(0, 16)[None, :]  # (BT, 16): W[1]'s hi part in column 0, its lo part in column 1
-            zr = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, (wz - wz_hi.to(tl.float32))[:, None], 0.0)).to(dt)
+            wz_lo = (wz - wz_hi.to(tl.float32))[:, None]
+            zr = tl.where(col == 0, wz_hi[:, None], tl.where(col == 1, wz_lo, 0.0)).to(dt)
         else:
             zr = tl.full((BT, 16), 1.0, dt)  # (z's right operand: ones, or W[1]'s parts)
         fk = tl.trans(fk.to(dt))
@@ -198,8 +200,8 @@ def _mix_dot(a, x, acc, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _mix_kernel(
-    A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr, R: tl.constexpr,
-    MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    A, X, OUT, COLS: tl.constexpr, H_OUT, GX, a_sh, a_si, a_sk, x_sb, x_sh, o_sb, o_sh, M: tl.constexpr,
+    R: tl.constexpr, MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles.
@@ -232,7 +234,9 @@ def _mix_kernel(
                 if MASK == 2:
                     amask = amask & (kk[None, :] > i[:, None])
                 a = tl.load(ap + i[:, None] * a_si + kk[None, :] * a_sk, mask=amask, other=0.0).to(tl.float32)
-                x = tl.load(xp + kk[:, None] * COLS + c[None, :], mask=(kk < M)[:, None] & (c < COLS)[None, :], other=0.0)
+                x = tl.load(
+                    xp + kk[:, None] * COLS + c[None, :], mask=(kk < M)[:, None] & (c < COLS)[None, :], other=0.0
+                )
                 acc = _mix_dot(a, x, acc, DOT_PREC)
     out = OUT + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=(i < M)[:, None] & (c < COLS)[None, :])
@@ -296,11 +300,11 @@ def _mix_sweep_kernel(
 
 @triton.jit
 def _readout_kernel(
-    Q, K, V, ST, MIX, O, sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr,
-    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
-    L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
+    Q, K, V, ST, MIX, O, sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb,
+    svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, H, HKV_GROUP, HMIX_GROUP, HMIX, M,
+    COLS: tl.constexpr, MIX_SH, scale, eps, L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T,
+    D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
+    NORMALIZE: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr,
     BDH: tl.constexpr = 0, BDVH: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """o = φ(q)·S̃_i / (φ(q)·z̃_i + eps) for token tiles of block i (S̃_i loaded once); causal
@@ -364,17 +368,19 @@ def _readout_kernel(
         if BDVH:
             if NORMALIZE:
                 num_h = num_h / (den + eps)[:, None]
-            tl.store(op + n[:, None] * son + eh[None, :], num_h.to(O.dtype.element_ty), mask=valid[:, None] & ehm[None, :])
+            tl.store(
+                op + n[:, None] * son + eh[None, :], num_h.to(O.dtype.element_ty), mask=valid[:, None] & ehm[None, :]
+            )
 
 
 @triton.jit
 def _bwd_query_kernel(
-    Q, K, V, O, DO, ST, MIX, DQ, W,
-    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
-    H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps,
-    L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, PDL: tl.constexpr = False,
+    Q, K, V, O, DO, ST, MIX, DQ, W, sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr,
+    skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sob, son: tl.constexpr, soh: tl.constexpr, sdb,
+    sdn: tl.constexpr, sdh: tl.constexpr, H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps, L0,
+    L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """dq for token tiles of block i of query head h (S̃_i loaded once), and per token W[b, h, 0, n] =
     1/(den + eps), W[b, h, 1, n] = −do·o, from which the summaries kernel (WEIGHTED) makes dS̃ and dz̃ and
@@ -439,11 +445,10 @@ def _bwd_query_kernel(
 
 @triton.jit
 def _bwd_key_kernel(
-    Q, K, V, DO, MIX, DS, W, DK, DVV, DMII,
-    sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr, skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr,
-    H, HKV, M, COLS: tl.constexpr, MIX_SH, scale,
-    L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
+    Q, K, V, DO, MIX, DS, W, DK, DVV, DMII, sqb, sqn: tl.constexpr, sqh: tl.constexpr, skb, skn: tl.constexpr,
+    skh: tl.constexpr, svb, svn: tl.constexpr, svh: tl.constexpr, sdb, sdn: tl.constexpr, sdh: tl.constexpr, H, HKV, M,
+    COLS: tl.constexpr, MIX_SH, scale, L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr,
+    DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, HKV_GROUP: tl.constexpr, TILES_PER_PROG: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -499,9 +504,8 @@ def _bwd_key_kernel(
 
 @triton.jit
 def _dmix_kernel(
-    DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT,
-    SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT, SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """PART[(p, b, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser), summed
     by `_sum_partials_kernel`."""
@@ -526,11 +530,15 @@ def _dmix_kernel(
             acc += tl.dot(a, x.to(tl.float32), input_precision=DOT_PREC)
     if STRICT:
         acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
-    tl.store(PART + pid.to(tl.int64) * M * M + i[:, None] * M + jj[None, :], acc, mask=(i < M)[:, None] & (jj < M)[None, :])
+    tl.store(
+        PART + pid.to(tl.int64) * M * M + i[:, None] * M + jj[None, :], acc, mask=(i < M)[:, None] & (jj < M)[None, :]
+    )
 
 
 @triton.jit
-def _sum_partials_kernel(PART, OUT, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+def _sum_partials_kernel(
+    PART, OUT, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False
+):
     """OUT[g, c] = Σ_r PART[g, r, c]: the mixing gradient's partials, summed in a fixed order (bit-reproducible,
     unlike atomics, and faster than torch's reductions over these leading dims)."""
     _chained(PDL)
@@ -540,7 +548,9 @@ def _sum_partials_kernel(PART, OUT, R: tl.constexpr, C: tl.constexpr, BR: tl.con
     acc = tl.zeros((BC,), tl.float32)
     for r0 in range(0, R, BR):
         r = r0 + tl.arange(0, BR)
-        acc += tl.sum(tl.load(base + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :], other=0.0), 0)
+        acc += tl.sum(
+            tl.load(base + r[:, None] * C + c[None, :], mask=(r < R)[:, None] & (c < C)[None, :], other=0.0), 0
+        )
     tl.store(OUT + g.to(tl.int64) * C + c, acc, mask=c < C)
 
 
@@ -557,8 +567,7 @@ def _step_term(acc, den, fq, w, S, Z, sd, dm, em, d, e, NORMALIZE: tl.constexpr)
 
 @triton.jit
 def _recurrent_step_kernel(
-    Q, K, V, R, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, O, NEW_S, NEW_Z,
-    sqb, sqh, skb, skh, svb, svh,
+    Q, K, V, R, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, O, NEW_S, NEW_Z, sqb, sqh, skb, skh, svb, svh,
     cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h,
     HKV, G, R_SH, W, scale, eps, D: tl.constexpr, DV: tl.constexpr,
     NREC: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PHI: tl.constexpr,

@@ -210,7 +210,10 @@ def _compiled(fn, grid, args, kw, stream):
     run, head = launcher, meta
     if getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0:
         try:
-            run, head = launcher.launch, (meta[0], launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *meta[1:])
+            run, head = (
+                launcher.launch,
+                (meta[0], launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *meta[1:]),
+            )
         except AttributeError:
             pass
     return run, head, tail, grid + (1,) * (3 - len(grid))
@@ -289,12 +292,14 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     pad = (1,) * (3 - len(layout.grid))
     grid, size, blocks = pad + layout.grid, pad + layout.block_size, pad + layout.blocks
     t = layout.tokens_per_block
-    geometry = dict(L0=grid[0], L1=grid[1], L2=grid[2], S0=size[0], S1=size[1], S2=size[2], NB1=blocks[1], NB2=blocks[2], T=t)
+    geometry = dict(
+        L0=grid[0], L1=grid[1], L2=grid[2], S0=size[0], S1=size[1], S2=size[2], NB1=blocks[1], NB2=blocks[2], T=t
+    )
     bt = _p2(t) if causal else min(TILE_TOKENS, _p2(t))
     bd, bdv = _p2(dim), _p2(dv)
     return _Plan(
-        batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks, dim * dv + dim, causal,
-        _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
+        batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks,
+        dim * dv + dim, causal, _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
         "ieee" if q.dtype == torch.float32 else "tf32", per_head, WIDE_WARPS if max(bd, bdv) >= 128 else 4,
     )
 
@@ -345,8 +350,8 @@ def _static(p: _Plan, device):
         chain = _chain_kw(device)
 
         def launch(name, heads, ints, atomic=False, **extra):
-            """(grid, ints, kw, compiled-kernel table) of a launch over (batch x heads, blocks, splits of each block's tiles);
-            `atomic`: the kernel adds float32 partials (ATOMIC) when a block is split."""
+            """(grid, ints, kw, compiled-kernel table) of a launch over (batch x heads, blocks, splits of each
+            block's tiles); `atomic`: the kernel adds float32 partials (ATOMIC) when a block is split."""
             kw = {**_launch_kw(p, name), **extra}
             splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, wanted)
             kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **chain, **({"ATOMIC": splits > 1} if atomic else {}))
@@ -417,7 +422,8 @@ _OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float":
 
 def _mix_launch(p: _Plan, wanted: int, kind: str, chain: dict):
     """(kernel, launch) of a mixing GEMM (all summaries contiguous (B, H, M, COLS)). "mix" (float32
-    summaries) and "mix_half" (half ones: inference, and training's hi parts): out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
+    summaries) and "mix_half" (half ones: inference, and training's hi parts):
+    out[b, hm] = mix[hm] @ S[b, hm // (H_mix/H_kv)].
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
     yields the mixing gradient's partials), with dS̃ and S as hi + lo halves; "mix_t_float": the same over
     float32 ones (its own launch setting: the tiles take twice the shared memory)."""

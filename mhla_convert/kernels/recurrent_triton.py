@@ -71,10 +71,13 @@ def mhla_recurrent_step_triton(state, q, k, v, relative, *, phi, normalize, scal
     bd = triton.next_power_of_2(dim)
     be = min(triton.next_power_of_2(dv), max(4, STEP_ELEMENTS // (bg * bd)))
     grid = (batch * kv_heads, MT._cdiv(groups, bg), MT._cdiv(dv, be))
-    args = (q, k, v, relative, cur_s, cur_z, rec_s, rec_z, far_s, far_z, out, new_s, new_z,
-            sqb, sqh, skb, skh, svb, svh, cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k,
-            fs_b, fs_h, fs_d, fz_b, fz_h, kv_heads, groups, window if relative.dim() == 2 else 0, window,
-            float(scale), float(eps), dim, dv)
-    kw = dict(NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT._PHI_IDS[id(phi)], NORMALIZE=normalize, num_warps=4)
+    args = (
+        q, k, v, relative, cur_s, cur_z, rec_s, rec_z, far_s, far_z, out, new_s, new_z, sqb, sqh, skb, skh, svb, svh,
+        cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h, kv_heads,
+        groups, window if relative.dim() == 2 else 0, window, float(scale), float(eps), dim, dv,
+    )
+    kw = dict(
+        NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT._PHI_IDS[id(phi)], NORMALIZE=normalize, num_warps=4
+    )
     MT._launch(K._recurrent_step_kernel, grid, args, kw)
     return out, new_s, new_z

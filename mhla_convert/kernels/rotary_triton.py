@@ -43,14 +43,18 @@ def _table(t: torch.Tensor, batch: int, n: int, dim: int) -> tuple[int, int] | N
 
 
 def norm_rotate_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None:
-    if torch.is_grad_enabled() and (x.requires_grad or (norm is not None and any(p.requires_grad for p in norm.parameters()))):
+    if torch.is_grad_enabled() and (
+        x.requires_grad or (norm is not None and any(p.requires_grad for p in norm.parameters()))
+    ):
         return "inputs that need gradients (training keeps the torch path)"
     if x.dtype not in MT._DTYPES:
         return f"dtype {x.dtype}"
     if not (x.is_cuda or (x.device.type == "cpu" and MT.interpreting())):
         return f"device {x.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
     if x.dim() != 3 or x.shape[-1] % head_dim or head_dim % 2 or x.stride(-1) != 1:
-        return f"x of shape {tuple(x.shape)} (kernels take (B, N, H·D) with an even D = {head_dim} and unit last stride)"
+        return (
+            f"x of shape {tuple(x.shape)} (kernels take (B, N, H·D) with an even D = {head_dim} and unit last stride)"
+        )
     for t in (cos, sin):
         if _table(t, x.shape[0], x.shape[1], head_dim) is None:
             return f"a cos/sin table of shape {tuple(t.shape)} (kernels take (1 or B, N, 1, D))"

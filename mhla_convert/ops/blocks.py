@@ -56,12 +56,16 @@ class BlockLayout:
     def _build(cls, grid, blocks) -> "BlockLayout":
         grid, blocks = as_axes("grid", grid), as_axes("blocks", blocks)
         if len(blocks) != len(grid):
-            raise ValueError(f"blocks must have one entry per grid axis (len {len(grid)} for grid {grid}); got {blocks}")
+            raise ValueError(
+                f"blocks must have one entry per grid axis (len {len(grid)} for grid {grid}); got {blocks}"
+            )
         for axis, (length, b) in enumerate(zip(grid, blocks)):
             if length < 1:
                 raise ValueError(f"grid axis {axis} must be ≥ 1; got grid {grid}")
             if not 1 <= b <= length:
-                raise ValueError(f"blocks[{axis}] must be in [1, {length}] (grid axis {axis} has {length} tokens); got {b}")
+                raise ValueError(
+                    f"blocks[{axis}] must be in [1, {length}] (grid axis {axis} has {length} tokens); got {b}"
+                )
         return cls(grid, blocks, tuple(-(-length // b) for length, b in zip(grid, blocks)))
 
     @property

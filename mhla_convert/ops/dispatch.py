@@ -7,7 +7,8 @@ a named backend is returned as is (its implementation refuses inputs it cannot t
 
 Operators and their implementation signatures:
 - "attention": `ops.mhla.mhla_attention_torch`; supports(q, k, v, mixing, layout, *, causal, phi);
-- "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller); supports(state, q, k, v, relative, *, phi);
+- "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
+  supports(state, q, k, v, relative, *, phi);
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm).
 """
 

@@ -24,4 +24,6 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[torch.Tensor], tor
     try:
         return FEATURE_MAPS[feature_map]
     except KeyError:
-        raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}") from None
+        raise ValueError(
+            f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}"
+        ) from None

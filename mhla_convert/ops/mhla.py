@@ -59,25 +59,16 @@ def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> B
         raise ValueError(f"prod(grid) must equal N={n}; got grid {layout.grid} (prod {layout.num_tokens})")
     m = layout.num_blocks
     if tuple(mixing.shape) not in ((m, m), (heads, m, m)):
-        raise ValueError(f"mixing must be (M, M) = ({m}, {m}) or (H, M, M) = ({heads}, {m}, {m}); got {tuple(mixing.shape)}")
+        raise ValueError(
+            f"mixing must be (M, M) = ({m}, {m}) or (H, M, M) = ({heads}, {m}, {m}); got {tuple(mixing.shape)}"
+        )
     return layout
 
 
 def mhla_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mixing: torch.Tensor,
-    *,
-    grid=None,
-    blocks=None,
-    causal: bool = False,
-    chunk_size: int | None = None,
-    feature_map: FeatureMap = "relu",
-    normalize: bool = True,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    backend: Backend = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, *, grid=None, blocks=None,
+    causal: bool = False, chunk_size: int | None = None, feature_map: FeatureMap = "relu", normalize: bool = True,
+    scale: float | None = None, eps: float = 1e-6, backend: Backend = "auto",
 ) -> torch.Tensor:
     """Multi-Head Linear Attention.
 

@@ -35,7 +35,10 @@ class MHLAState:
     far_z: torch.Tensor  # (B, H_kv, D)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.cur_s, self.cur_z, self.recent_s, self.recent_z, self.far_s, self.far_z))
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.cur_s, self.cur_z, self.recent_s, self.recent_z, self.far_s, self.far_z)
+        )
 
     def map(self, fn) -> "MHLAState":
         """Apply fn to every tensor (device moves, beam reordering)."""
@@ -47,7 +50,9 @@ def _keep(window: int) -> int:
     return max(window - 2, 0)
 
 
-def init_state(k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, window: int, feature_map: FeatureMap = "relu") -> MHLAState:
+def init_state(
+    k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, window: int, feature_map: FeatureMap = "relu"
+) -> MHLAState:
     """State after the prefix k, v of shape (B, L, H_kv, D) / (B, L, H_kv, Dv); L may be 0."""
     batch, length, kv_heads, dim = k.shape
     acc = torch.promote_types(k.dtype, torch.float32)

@@ -34,7 +34,8 @@ def mhla_attention_reference(
 ) -> torch.Tensor:
     """o_t = Σ_s w_ts v_s / (Σ_s w_ts + eps), straight from the definition."""
     w = mhla_weights_reference(
-        q, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size, feature_map=feature_map, scale=scale
+        q, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size, feature_map=feature_map,
+        scale=scale,
     )
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2).to(w.dtype)
     out = torch.einsum("bhts,bshe->bthe", w, v)

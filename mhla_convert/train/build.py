@@ -47,7 +47,10 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
         what = f"model.checkpoint {spec.checkpoint}" if spec.checkpoint else f"model.name {spec.name}"
         raise TrainError(f"cannot load {what}: {str(exc).splitlines()[0]}") from None
     if spec.family and adapter.name != spec.family:
-        raise TrainError(f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} model: use a {spec.family} model or a {adapter.name} recipe")
+        raise TrainError(
+            f"this recipe is for family {spec.family!r} but {spec.name or spec.checkpoint} is a {adapter.name!r} "
+            f"model: use a {spec.family} model or a {adapter.name} recipe"
+        )
     if spec.checkpoint:
         plan = getattr(model, PLAN_ATTR, None) or {}
         return Built(model, adapter, list(plan.get("layers", [])))

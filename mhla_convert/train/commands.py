@@ -23,10 +23,13 @@ def _one_line(fn):
 def finetune(
     recipe: Path = typer.Argument(..., help="Recipe YAML (see recipes/)."),
     out: Path = typer.Option(..., "--out", help="Run directory: checkpoints/, metrics.jsonl, model/."),
-    set_: list[str] = typer.Option([], "--set", help="Override a recipe key, e.g. --set optimizer.lr=1e-4 --set stages.0.steps=10."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a recipe key, e.g. --set optimizer.lr=1e-4 --set stages.0.steps=10."
+    ),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue from the latest checkpoint in --out."),
 ) -> None:
-    """Convert (or load) a model and fine-tune it as the recipe says; single device, or many under `accelerate launch`."""
+    """Convert (or load) a model and fine-tune it as the recipe says; single device, or many under
+    `accelerate launch`."""
 
     def run():
         from .recipe import load_recipe
@@ -38,13 +41,19 @@ def finetune(
 
 
 def sample(
-    checkpoint: Path = typer.Argument(..., help="A model saved by finetune (DIR/model) or mhla_convert.save_pretrained."),
+    checkpoint: Path = typer.Argument(
+        ..., help="A model saved by finetune (DIR/model) or mhla_convert.save_pretrained."
+    ),
     prompt: str = typer.Option("a photo of a cat", "--prompt", help="Text prompt (SANA, PixArt, Wan) or LM prompt."),
-    image: Optional[Path] = typer.Option(None, "--image", help="Wan image-to-video: the first frame (required for I2V checkpoints)."),
+    image: Optional[Path] = typer.Option(
+        None, "--image", help="Wan image-to-video: the first frame (required for I2V checkpoints)."
+    ),
     out: Path = typer.Option(..., "--out", help="Output file: .png for images, .mp4 for Wan, .txt for LMs."),
     class_label: int = typer.Option(0, "--class-label", help="DiT: the ImageNet class to draw."),
     steps: int = typer.Option(20, "--steps", help="Denoising steps."),
-    guidance_scale: Optional[float] = typer.Option(None, "--guidance-scale", help="Classifier-free guidance (pipeline default when unset)."),
+    guidance_scale: Optional[float] = typer.Option(
+        None, "--guidance-scale", help="Classifier-free guidance (pipeline default when unset)."
+    ),
     height: Optional[int] = typer.Option(None, "--height"),
     width: Optional[int] = typer.Option(None, "--width"),
     num_frames: Optional[int] = typer.Option(None, "--num-frames", help="Wan: frames (4k+1)."),
@@ -57,8 +66,10 @@ def sample(
     def run():
         from .sampling import sample as _sample
 
-        path = _sample(checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
-                       width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image)
+        path = _sample(
+            checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
+            width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image,
+        )
         typer.echo(f"wrote {path}")
 
     _one_line(run)

@@ -42,7 +42,10 @@ def pipeline(family: str, transformer: nn.Module, base: str | None, *, torch_dty
     if is_tiny(base):
         return cls(transformer=transformer, **adapter.tiny_components(transformer))
     if not base:
-        raise TrainError("this checkpoint records no base model, so its VAE and text encoder are unknown: set data.components (or pass a pipeline directory)")
+        raise TrainError(
+            "this checkpoint records no base model, so its VAE and text encoder are unknown: "
+            "set data.components (or pass a pipeline directory)"
+        )
     try:
         return cls.from_pretrained(base, transformer=transformer, torch_dtype=torch_dtype)
     except OSError as exc:

@@ -24,12 +24,16 @@ class StepBatchSampler(Sampler):
     starting at m = resume step reproduces an uninterrupted run exactly."""
 
     def __init__(self, size: int, batch_size: int, *, seed: int, start: int = 0, rank: int = 0, world: int = 1):
-        self.size, self.batch_size, self.seed, self.start, self.rank, self.world = size, batch_size, seed, start, rank, world
+        self.size, self.batch_size, self.seed, self.start, self.rank, self.world = (
+            size, batch_size, seed, start, rank, world,
+        )
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:
         if epoch not in self._perms:
-            self._perms = {epoch: torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))}
+            self._perms = {
+                epoch: torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            }
         return self._perms[epoch]
 
     def batch(self, m: int) -> list[int]:

@@ -30,7 +30,10 @@ def run_pipeline_demo(out: str | Path | None = None) -> Path:
 
     out = Path(out) if out else Path(tempfile.mkdtemp(prefix="mhla-demo-"))
     recipe = parse_recipe(DEMO_RECIPE, "demo recipe")
-    print(f"1-3. convert tiny-wan, attention transfer ({recipe.stages[0].steps} steps), fine-tune ({recipe.stages[1].steps} steps) -> {out}")
+    print(
+        f"1-3. convert tiny-wan, attention transfer ({recipe.stages[0].steps} steps), "
+        f"fine-tune ({recipe.stages[1].steps} steps) -> {out}"
+    )
     model_dir = train(recipe, out, resume=False)
     records = read_metrics(out / "metrics.jsonl")
     for name in ("attention_transfer", "finetune"):

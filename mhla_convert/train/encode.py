@@ -54,7 +54,9 @@ def _cached(spec: DataSpec, key: str, build) -> dict[str, torch.Tensor]:
 def _metadata(root: Path) -> list[dict]:
     meta = root / "metadata.jsonl"
     if not meta.is_file():
-        raise TrainError(f"{root} has no metadata.jsonl: add one line per file, e.g. {{\"file_name\": \"a.png\", \"text\": \"a caption\"}}")
+        raise TrainError(
+            f'{root} has no metadata.jsonl: add one line per file, e.g. {{"file_name": "a.png", "text": "a caption"}}'
+        )
     rows = [json.loads(line) for line in meta.read_text().splitlines() if line.strip()]
     if not rows:
         raise TrainError(f"{meta} is empty: the dataset needs at least one example")
@@ -126,7 +128,11 @@ def cached_folder(spec: DataSpec, adapter, transformer, components: str | None) 
 def _text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".json", ".jsonl", ".txt", ".parquet") and ".mhla_cache" not in p.parts)
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.suffix in (".json", ".jsonl", ".txt", ".parquet") and ".mhla_cache" not in p.parts
+    )
     if not files:
         raise TrainError(f"{path} holds no .jsonl / .json / .txt / .parquet files")
     return files
@@ -141,7 +147,9 @@ def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.
         fmt = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}[files[0].suffix]
     ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
     if spec.text_column not in ds.column_names:
-        raise TrainError(f"data.text_column {spec.text_column!r} is not in {spec.path}; columns: {', '.join(ds.column_names)}")
+        raise TrainError(
+            f"data.text_column {spec.text_column!r} is not in {spec.path}; columns: {', '.join(ds.column_names)}"
+        )
     tok = tokenizer(components)
     eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     stream: list[int] = []
@@ -149,9 +157,15 @@ def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.
         stream.extend(tok(text, add_special_tokens=False)["input_ids"] + [eos])
     n = len(stream) // spec.context_length
     if n == 0:
-        raise TrainError(f"{spec.path} has {len(stream)} tokens, fewer than one context of {spec.context_length}: add text or lower data.context_length")
+        raise TrainError(
+            f"{spec.path} has {len(stream)} tokens, fewer than one context of {spec.context_length}: "
+            "add text or lower data.context_length"
+        )
     if max(stream) >= model.config.vocab_size:
-        raise TrainError(f"the tokenizer of {components!r} produces ids ≥ the model's vocab_size {model.config.vocab_size}: set data.components to the model's own tokenizer")
+        raise TrainError(
+            f"the tokenizer of {components!r} produces ids ≥ the model's vocab_size {model.config.vocab_size}: "
+            "set data.components to the model's own tokenizer"
+        )
     return {"input_ids": torch.tensor(stream[: n * spec.context_length]).view(n, spec.context_length)}
 
 

@@ -12,7 +12,11 @@ class MetricsFile:
         self.path = Path(path)
         kept = []
         if self.path.exists() and resume_step > 0:
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= resume_step
+            ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("".join(line + "\n" for line in kept))
 

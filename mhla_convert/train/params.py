@@ -46,7 +46,9 @@ def lora_targets(model: nn.Module, spec: LoraSpec) -> list[str]:
 def add_lora(model: nn.Module, spec: LoraSpec) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=lora_targets(model, spec))
+    config = LoraConfig(
+        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=lora_targets(model, spec)
+    )
     try:
         inject_adapter_in_model(config, model)
     except ValueError as exc:

@@ -186,7 +186,8 @@ def _describe(tp) -> str:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
     if dataclasses.is_dataclass(tp):
         return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(tp, str(tp))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+    return names.get(tp, str(tp))
 
 
 class _Mismatch(Exception):
@@ -212,7 +213,9 @@ def _convert(tp, value, key: str, line, ctx: _Ctx):
         if not isinstance(value, list):
             raise _Mismatch
         lines = getattr(value, "item_lines", [line] * len(value))
-        return [_value(typing.get_args(tp)[0], v, f"{key}[{i}]", ln, ctx) for i, (v, ln) in enumerate(zip(value, lines))]
+        return [
+            _value(typing.get_args(tp)[0], v, f"{key}[{i}]", ln, ctx) for i, (v, ln) in enumerate(zip(value, lines))
+        ]
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise _Mismatch
@@ -254,7 +257,11 @@ def _build(cls, data: dict, prefix: str, line, ctx: _Ctx):
         if key not in fields:
             raise ctx.fail(name, key_lines.get(key, line), f"unknown key; allowed keys here: {', '.join(fields)}")
         kwargs[key] = _value(hints[key], value, name, key_lines.get(key, line), ctx)
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ctx.fail(prefix or "recipe", line, f"missing required key(s): {', '.join(missing)}")
     return cls(**kwargs)
@@ -286,18 +293,34 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
         where = _line(raw, "model", "family")
         raise ctx.fail("model.family", where, f"unknown family {m.family!r}; allowed: {allowed}")
     if (m.name is None) == (m.checkpoint is None):
-        raise ctx.fail("model", _line(raw, "model"), "give exactly one of model.name (a base model to convert) or model.checkpoint (an MHLA checkpoint)")
+        raise ctx.fail(
+            "model",
+            _line(raw, "model"),
+            "give exactly one of model.name (a base model to convert) or model.checkpoint (an MHLA checkpoint)",
+        )
     if m.checkpoint and recipe.conversion is not None:
-        raise ctx.fail("conversion", _line(raw, "conversion"), "a converted checkpoint needs no conversion section; remove it or use model.name")
+        raise ctx.fail(
+            "conversion",
+            _line(raw, "conversion"),
+            "a converted checkpoint needs no conversion section; remove it or use model.name",
+        )
     if m.name and recipe.conversion is None:
         recipe.conversion = ConversionSpec()
     if recipe.conversion:
         known = {f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}
         for key in recipe.conversion.options:
             if key not in known:
-                raise ctx.fail(f"conversion.options.{key}", _line(raw, "conversion", "options", key), f"unknown MHLA option; allowed: {', '.join(sorted(known))}")
+                raise ctx.fail(
+                    f"conversion.options.{key}",
+                    _line(raw, "conversion", "options", key),
+                    f"unknown MHLA option; allowed: {', '.join(sorted(known))}",
+                )
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
-            raise ctx.fail("conversion.ratio", _line(raw, "conversion", "ratio"), f"must be in [0, 1]; got {recipe.conversion.ratio}")
+            raise ctx.fail(
+                "conversion.ratio",
+                _line(raw, "conversion", "ratio"),
+                f"must be in [0, 1]; got {recipe.conversion.ratio}",
+            )
         if recipe.conversion.calibration_batches < 1:
             where = _line(raw, "conversion", "calibration_batches")
             raise ctx.fail("conversion.calibration_batches", where, "must be ≥ 1")
@@ -315,22 +338,37 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
             raise ctx.fail(f"stages[{i}].steps", where, f"must be ≥ 1; got {stage.steps}")
         if stage.name == "attention_transfer":
             if stage.train != "mhla":
-                raise ctx.fail(f"stages[{i}].train", where, "attention_transfer trains the MHLA layers only; allowed: 'mhla'")
+                raise ctx.fail(
+                    f"stages[{i}].train", where, "attention_transfer trains the MHLA layers only; allowed: 'mhla'"
+                )
             if m.checkpoint:
-                raise ctx.fail(f"stages[{i}]", where, "attention_transfer needs the original attention as teacher: use model.name + conversion, not model.checkpoint")
+                raise ctx.fail(
+                    f"stages[{i}]",
+                    where,
+                    "attention_transfer needs the original attention as teacher: "
+                    "use model.name + conversion, not model.checkpoint",
+                )
         if (stage.train == "lora") != (stage.lora is not None):
             stage.lora = stage.lora or LoraSpec()
             if stage.train != "lora":
                 raise ctx.fail(f"stages[{i}].lora", where, "a lora section needs train: lora")
         if stage.train == "lora" and i != len(recipe.stages) - 1:
-            raise ctx.fail(f"stages[{i}].train", where, "a LoRA stage must be the last stage (its adapter is merged or saved at the end)")
+            raise ctx.fail(
+                f"stages[{i}].train",
+                where,
+                "a LoRA stage must be the last stage (its adapter is merged or saved at the end)",
+            )
     checks = {"gradient_accumulation": 1, "keep_checkpoints": 1, "checkpoint_every": 0}
     for key, low in checks.items():
         if getattr(recipe, key) < low:
             raise ctx.fail(key, _line(raw, key), f"must be ≥ {low}")
     for i, tracker in enumerate(recipe.logging.trackers):
         if tracker not in TRACKERS:
-            raise ctx.fail(f"logging.trackers[{i}]", _line(raw, "logging", "trackers", i), f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)} (or an empty list)")
+            raise ctx.fail(
+                f"logging.trackers[{i}]",
+                _line(raw, "logging", "trackers", i),
+                f"unknown tracker {tracker!r}; allowed: {', '.join(TRACKERS)} (or an empty list)",
+            )
     if recipe.logging.every < 1:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
     _check_validation(recipe, raw, ctx)
@@ -370,7 +408,10 @@ def apply_overrides(raw: Located, overrides: list[str]) -> Located:
             last = i == len(parts) - 1
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
-                    raise RecipeError(f"--set {item}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; use an index 0 … {len(node) - 1}")
+                    raise RecipeError(
+                        f"--set {item}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; "
+                        f"use an index 0 … {len(node) - 1}"
+                    )
                 idx = int(part)
                 if last:
                     node[idx] = load(text)

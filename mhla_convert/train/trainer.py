@@ -68,8 +68,10 @@ def _refuse_unsupported_fsdp(acc, recipe: Recipe) -> None:
     if acc.distributed_type != DistributedType.FSDP:
         return
     if acc.state.fsdp_plugin.fsdp_version == 1 and any(s.name == "attention_transfer" for s in recipe.stages):
-        raise TrainError("attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
-                         "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage")
+        raise TrainError(
+            "attention transfer under FSDP needs FSDP2 (its loss bypasses the model output, which FSDP1's "
+            "backward hooks reject): set fsdp_version: 2 in the Accelerate config, or use DDP for this stage"
+        )
 
 
 def _full_state_into(wrapped, fresh) -> None:
@@ -87,7 +89,9 @@ def _full_state_into(wrapped, fresh) -> None:
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=False)):
+    with FSDP.state_dict_type(
+        wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+    ):
         state = wrapped.state_dict()
     fresh.load_state_dict(state)
 
@@ -109,7 +113,9 @@ class Trainer:
         acc = self.accelerator
         self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
-            raise TrainError(f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)")
+            raise TrainError(
+                f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)"
+            )
         check_data_path(recipe.data)
         _refuse_unsupported_fsdp(acc, recipe)
         set_seed(recipe.seed)
@@ -149,9 +155,13 @@ class Trainer:
             with self.accelerator.main_process_first():
                 held = heldout_dataset(self.recipe, self.built.adapter, model, components)
             if set(held.columns) != set(self.dataset.columns):
-                raise TrainError(f"validation.path {v.path} holds {sorted(held.columns)} but the training data holds "
-                                 f"{sorted(self.dataset.columns)}: give held-out data of the same kind as data")
-        return HeldOut(held, self.objective, v.batch_size or self.recipe.data.batch_size, v.num_batches, self.recipe.seed)
+                raise TrainError(
+                    f"validation.path {v.path} holds {sorted(held.columns)} but the training data holds "
+                    f"{sorted(self.dataset.columns)}: give held-out data of the same kind as data"
+                )
+        return HeldOut(
+            held, self.objective, v.batch_size or self.recipe.data.batch_size, v.num_batches, self.recipe.seed
+        )
 
     # --- one stage ---------------------------------------------------------------------------------
 
@@ -174,7 +184,9 @@ class Trainer:
             add_lora(model, stage.lora)
         params = select_trainable(model, stage.train, built.adapter)
         opt = recipe.optimizer
-        optimizer = torch.optim.AdamW(params, lr=stage.lr or opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=stage.lr or opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay
+        )
         warmup = min(recipe.schedule.warmup_steps, stage.steps)
         name = "constant_with_warmup" if recipe.schedule.name == "constant" and warmup else recipe.schedule.name
         scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=stage.steps)
@@ -216,10 +228,20 @@ class Trainer:
     def _steps(self, index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after) -> int:
         acc, recipe = self.accelerator, self.recipe
         accum, begin = recipe.gradient_accumulation, end - stage.steps
-        batches = iter(loader(self.dataset, recipe.data, seed=recipe.seed + index, start=(step - begin) * accum,
-                              rank=acc.process_index, world=acc.num_processes))
+        batches = iter(
+            loader(
+                self.dataset, recipe.data, seed=recipe.seed + index, start=(step - begin) * accum,
+                rank=acc.process_index, world=acc.num_processes,
+            )
+        )
         samples_per_step = recipe.data.batch_size * accum * acc.num_processes
-        bar = tqdm(total=stage.steps, initial=step - begin, desc=stage.name, disable=not acc.is_local_main_process, dynamic_ncols=True)
+        bar = tqdm(
+            total=stage.steps,
+            initial=step - begin,
+            desc=stage.name,
+            disable=not acc.is_local_main_process,
+            dynamic_ncols=True,
+        )
         self.model.train()
         while step < end:
             tic, losses, grad_norm = time.perf_counter(), [], None
@@ -367,5 +389,7 @@ class Trainer:
         return target
 
 
-def train(recipe: Recipe, out: str | Path, *, resume: bool = True, stop_after: int | None = None, log=print) -> Path | None:
+def train(
+    recipe: Recipe, out: str | Path, *, resume: bool = True, stop_after: int | None = None, log=print
+) -> Path | None:
     return Trainer(recipe, out, resume=resume, log=log).run(stop_after=stop_after)

@@ -97,4 +97,5 @@ class BestModel:
         if self.record is None:
             return None
         where = f" ({self.record['model']})" if self.record.get("model") else ""
-        return f"best validation loss {self.record['loss']:.6g} at step {self.record['step']} ({self.record['stage']}){where}"
+        best = f"best validation loss {self.record['loss']:.6g}"
+        return f"{best} at step {self.record['step']} ({self.record['stage']}){where}"
