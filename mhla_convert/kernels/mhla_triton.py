@@ -97,18 +97,39 @@ def interpreting() -> bool:
     return _INTERPRET
 
 
-def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, phi) -> str | None:
-    """Why these inputs need the torch path, or None when the kernels take them."""
+def qkv_reason(q, k, v, phi) -> str | None:
+    """The feature-map and dtype clauses of the attention and the decoding-step kernels."""
     if id(phi) not in _PHI_IDS:
         return "a callable feature map (kernels know 'relu' and 'elu')"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
-    if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
-        return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
-    if not (q.device == k.device == v.device == mixing.device):  # (the launches pass bare addresses)
-        return f"tensors on several devices (q {q.device}, k {k.device}, v {v.device}, mixing {mixing.device})"
+    return None
+
+
+def device_reason(x) -> str | None:
+    """The device clause of every Triton entry point: CUDA, or the CPU under the interpreter."""
+    if not (x.is_cuda or (x.device.type == "cpu" and interpreting())):
+        return f"device {x.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    return None
+
+
+def head_dims_reason(q, v) -> str | None:
+    """The head-dim clause of the attention and the decoding-step kernels."""
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MAX_HEAD_DIM}"
+    return None
+
+
+def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, causal: bool, phi) -> str | None:
+    """Why these inputs need the torch path, or None when the kernels take them."""
+    reason = qkv_reason(q, k, v, phi) or device_reason(q)
+    if reason:
+        return reason
+    if not (q.device == k.device == v.device == mixing.device):  # (the launches pass bare addresses)
+        return f"tensors on several devices (q {q.device}, k {k.device}, v {v.device}, mixing {mixing.device})"
+    reason = head_dims_reason(q, v)
+    if reason:
+        return reason
     if causal and layout.tokens_per_block > MAX_CHUNK:
         return f"causal chunk of {layout.tokens_per_block} tokens > {MAX_CHUNK}"
     return None

@@ -16,19 +16,14 @@ STEP_MAX_GROUP = 8  # query heads per program
 
 def step_unsupported_reason(state, q, k, v, relative, *, phi) -> str | None:
     """Why this step needs the torch path, or None when the kernel takes it."""
-    if id(phi) not in MT._PHI_IDS:
-        return "a callable feature map (kernels know 'relu' and 'elu')"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in MT._DTYPES:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
+    reason = MT.qkv_reason(q, k, v, phi)
+    if reason:
+        return reason
     if state.cur_s.dtype != torch.float32:
         return f"a {state.cur_s.dtype} state (kernels keep float32 summaries)"
     if not relative.is_floating_point():
         return f"relative mixing of dtype {relative.dtype}"
-    if not (q.is_cuda or (q.device.type == "cpu" and MT.interpreting())):
-        return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
-    if q.shape[-1] > MT.MAX_HEAD_DIM or v.shape[-1] > MT.MAX_HEAD_DIM:
-        return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MT.MAX_HEAD_DIM}"
-    return None
+    return MT.device_reason(q) or MT.head_dims_reason(q, v)
 
 
 def step_supports(state, q, k, v, relative, *, phi) -> bool:

@@ -49,8 +49,9 @@ def norm_rotate_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None
         return "inputs that need gradients (training keeps the torch path)"
     if x.dtype not in MT._DTYPES:
         return f"dtype {x.dtype}"
-    if not (x.is_cuda or (x.device.type == "cpu" and MT.interpreting())):
-        return f"device {x.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    reason = MT.device_reason(x)
+    if reason:
+        return reason
     if x.dim() != 3 or x.shape[-1] % head_dim or head_dim % 2 or x.stride(-1) != 1:
         return (
             f"x of shape {tuple(x.shape)} (kernels take (B, N, H·D) with an even D = {head_dim} and unit last stride)"
