@@ -21,6 +21,7 @@ from triton.testing import do_bench
 
 from mhla_convert.mixing import locality_mixing
 from mhla_convert.ops import mhla_attention
+from mhla_convert.placement import DTYPES, parse_dtype
 
 # name -> (heads, head dim, [(grid, blocks), ...]); causal rows use chunk 64
 SHAPES = {
@@ -30,7 +31,6 @@ SHAPES = {
     "causal": (32, 64, [((2048,), None), ((8192,), None), ((32768,), None)]),
 }
 CHUNK = 64
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _time(fn) -> float:
@@ -92,7 +92,7 @@ def main():
     for family in args.shapes.split(","):
         heads, dim, sizes = SHAPES[family]
         for grid, blocks in sizes:
-            rows.append(bench_row(family, heads, dim, grid, blocks, DTYPES[args.dtype]))
+            rows.append(bench_row(family, heads, dim, grid, blocks, parse_dtype(args.dtype)))
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k) if k in rows[-1] else 99)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -18,8 +18,7 @@ import time
 import torch
 
 from mhla_convert.ops import init_state, mhla_recurrent_step
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from mhla_convert.placement import DTYPES, parse_dtype
 
 
 def main():
@@ -29,7 +28,7 @@ def main():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     a = ap.parse_args()
-    dt, dev = DTYPES[a.dtype], "cuda"
+    dt, dev = parse_dtype(a.dtype), "cuda"
     torch.manual_seed(0)
     n = a.prefill + a.tokens
     q = torch.randn(a.batch, n, a.heads, a.dim, device=dev, dtype=dt)
