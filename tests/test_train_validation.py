@@ -83,3 +83,24 @@ def test_split_off_keeps_one_example_each_side():
 def test_bad_validation_section(section, problem):
     with pytest.raises(RecipeError, match=problem.replace("(", r"\(").replace(")", r"\)")):
         _recipe(f"validation={section}")
+
+
+def test_validation_samples_in_run_dir_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    recipe = load_recipe(RECIPES / "tiny-dit.yaml", [
+        "stages=[{name: attention_transfer, steps: 1}, {name: finetune, steps: 1, train: all}]",
+        "logging.trackers=[tensorboard]",
+        "validation={split: 0.25, num_samples: 2, class_labels: [1, 3], sample_steps: 1}"])
+    Trainer(recipe, tmp_path / "run", log=lambda *_: None).run()
+    written = sorted(p.name for p in (tmp_path / "run" / "samples").glob("*.png"))
+    assert written == ["step-00000000.png", "step-00000001.png", "step-00000002.png"]
+    events = EventAccumulator(str(next((tmp_path / "run").rglob("events.out.tfevents*")).parent),
+                              size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("validation/samples")] == [0, 1, 2]
+
+
+def test_validation_samples_refused_for_language_models():
+    with pytest.raises(Exception, match="validation.num_samples"):
+        Trainer(_recipe("validation={split: 0.25, num_samples: 2}"), "/nonexistent/run", log=lambda *_: None)

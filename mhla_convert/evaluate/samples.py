@@ -73,19 +73,8 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
             raise ValueError("sample comparison generates from prompts alone; image-to-video models need a first frame")
         transformer.eval().to(device)
 
-    condition = "prompt" if num_classes is None else "class_label"
-    pipe = None
-    samples = []
-    for transformer in (reference, model):
-        if pipe is None:
-            pipe = adapter.sampling_pipeline(transformer, base, device=device)
-        else:  # the same VAE, text encoder and scheduler around the other transformer
-            pipe.register_modules(transformer=transformer)
-        generators = [torch.Generator(device).manual_seed(seed + i) for i in range(len(conditions))]
-        samples.append(torch.stack([
-            _as_tensor(adapter.generate(pipe, base, generator=g, steps=steps, output_type="np", **{condition: c}))
-            for c, g in zip(conditions, generators)]))
-    ref_samples, model_samples = samples
+    pipe, ref_samples = draw_samples(adapter, reference, base, conditions, seed=seed, steps=steps, device=device)
+    _, model_samples = draw_samples(adapter, model, base, conditions, seed=seed, steps=steps, device=device, pipe=pipe)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +88,28 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
         metrics["clip_score"] = clip_score(firsts[1], conditions, clip_path)
         metrics["clip_score_reference"] = clip_score(firsts[0], conditions, clip_path)
     return metrics
+
+
+def draw_samples(adapter, transformer: nn.Module, base: str | None, conditions: list, *, seed: int, steps: int,
+                 device, pipe=None):
+    """(pipeline, samples): one sample per condition (class label or prompt) from `transformer` in its
+    family's pipeline, sample i from a generator seeded with `seed + i`, as float64 (N, C, H, W) or
+    (N, F, C, H, W) in [0, 1]. A `pipe` from an earlier call is reused around `transformer` (the same
+    VAE, text encoder and scheduler)."""
+    if pipe is None:
+        pipe = adapter.sampling_pipeline(transformer, base, device=device)
+    else:
+        pipe.register_modules(transformer=transformer)
+    condition = "prompt" if adapter.num_classes(transformer) is None else "class_label"
+    generators = [torch.Generator(device).manual_seed(seed + i) for i in range(len(conditions))]
+    return pipe, torch.stack([
+        _as_tensor(adapter.generate(pipe, base, generator=g, steps=steps, output_type="np", **{condition: c}))
+        for c, g in zip(conditions, generators)])
+
+
+def sample_conditions(adapter, model: nn.Module, num_samples: int, prompts=None, class_labels=None) -> list:
+    """The class label or prompt of each sample: the given ones, or `num_samples` built-in ones."""
+    return _conditions(adapter.name, adapter.num_classes(model), num_samples, prompts, class_labels)
 
 
 def _diffusion_adapter(family: str):
@@ -143,6 +154,11 @@ def _as_tensor(sample) -> torch.Tensor:
     return torch.from_numpy(np.asarray(sample, dtype=np.float64)).movedim(-1, -3).clamp(0, 1)
 
 
+def sample_grid(samples: torch.Tensor, label: str):
+    """One labelled row of samples as a PIL image (videos: their first frames)."""
+    return _grid([samples[:, 0] if samples.ndim == 5 else samples], [label])
+
+
 def _write(ref_samples: torch.Tensor, model_samples: torch.Tensor, out_dir: Path, *, video: bool) -> None:
     if not video:
         _grid([ref_samples, model_samples]).save(out_dir / "samples.png")
@@ -155,14 +171,14 @@ def _write(ref_samples: torch.Tensor, model_samples: torch.Tensor, out_dir: Path
     imageio.mimwrite(out_dir / "samples.mp4", [np.asarray(f) for f in frames], fps=VIDEO_FPS, macro_block_size=1)
 
 
-def _grid(rows: list[torch.Tensor]):
-    """One row of (N, C, H, W) images per entry of LABELS, each row named in a strip on its left."""
+def _grid(rows: list[torch.Tensor], labels=None):
+    """One row of (N, C, H, W) images per label (default LABELS), each row named in a strip on its left."""
     from PIL import Image, ImageDraw
 
     n, _, h, w = rows[0].shape
     canvas = Image.new("RGB", (LABEL_WIDTH + PAD + n * (w + PAD), PAD + len(rows) * (h + PAD)), "white")
     draw = ImageDraw.Draw(canvas)
-    for r, (label, images) in enumerate(zip(LABELS, rows)):
+    for r, (label, images) in enumerate(zip(labels or LABELS, rows)):
         top = PAD + r * (h + PAD)
         draw.text((PAD, top), label, fill="black")
         pixels = (images.movedim(1, -1) * 255).round().to(torch.uint8).numpy()

@@ -81,6 +81,10 @@ class ValidationSpec:
     num_batches: int = 8  # held-out batches per evaluation (fewer if the set is smaller)
     batch_size: int | None = None  # default: data.batch_size
     keep_best: bool = True  # save the model with the lowest validation loss to <out>/best
+    num_samples: int = 0  # diffusion: samples drawn at each validation, written to <out>/samples and the trackers
+    prompts: list[str] | None = None  # text-conditional families (default: built-in prompts)
+    class_labels: list[int] | None = None  # class-conditional families (DiT; default: built-in classes)
+    sample_steps: int = 20  # inference steps per sample
 
 
 @dataclass
@@ -387,7 +391,7 @@ def _check_validation(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if v.path is not None and recipe.data.kind == "synthetic":
         raise ctx.fail("validation.path", _line(raw, "validation", "path"),
                        "synthetic data has no held-out files: use validation.split instead")
-    for key, low in (("every", 0), ("num_batches", 1), ("batch_size", 1)):
+    for key, low in (("every", 0), ("num_batches", 1), ("batch_size", 1), ("num_samples", 0), ("sample_steps", 1)):
         value = getattr(v, key)
         if value is not None and value < low:
             raise ctx.fail(f"validation.{key}", _line(raw, "validation", key), f"must be ≥ {low}; got {value}")

@@ -31,7 +31,7 @@ from .metrics import MetricsFile
 from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
-from .validation import BEST_DIR, BestModel, HeldOut, heldout_dataset, split_off
+from .validation import BEST_DIR, BestModel, HeldOut, SampleWriter, heldout_dataset, split_off
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -131,6 +131,7 @@ class Trainer:
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
                                          components=recipe.data.components or base)
         self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
+        self.samples = self._sample_writer(model, recipe.data.components or base)
         self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
         start = self.resume_from.step if self.resume_from else 0
@@ -162,6 +163,18 @@ class Trainer:
         return HeldOut(
             held, self.objective, v.batch_size or self.recipe.data.batch_size, v.num_batches, self.recipe.seed
         )
+
+    def _sample_writer(self, model, base: str | None) -> SampleWriter | None:
+        v = self.recipe.validation
+        if v is None or not v.num_samples:
+            return None
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            raise TrainError("validation.num_samples needs the whole model on one process, which FSDP shards: "
+                             "set validation.num_samples: 0 (the validation loss still runs)")
+        try:
+            return SampleWriter(self.built.adapter, model, base, v, self.out, self.recipe.seed)
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
 
     # --- one stage ---------------------------------------------------------------------------------
 
@@ -294,8 +307,8 @@ class Trainer:
         return step
 
     def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
-        """Held-out loss of the model as it stands (the transfer hooks, which hand the teachers'
-        outputs downstream, are lifted meanwhile); saves the model when it is the best so far."""
+        """Held-out loss (and samples) of the model as it stands (the transfer hooks, which hand the
+        teachers' outputs downstream, are lifted meanwhile); saves the model when it is the best so far."""
         if self.heldout is None:
             return
         acc = self.accelerator
@@ -304,6 +317,11 @@ class Trainer:
         try:
             loss = self.heldout.loss(self.model, device=acc.device, dtype=self.dtype, rank=acc.process_index,
                                      world=acc.num_processes, gather=acc.gather)
+            if self.samples is not None and acc.is_main_process:
+                grid = self.samples.write(acc.unwrap_model(self.model), step, acc.device)
+                if "tensorboard" in self.recipe.logging.trackers:
+                    acc.get_tracker("tensorboard").log_images({"validation/samples": grid}, step=step,
+                                                              dataformats="HWC")
         finally:
             if transfer:
                 transfer.attach()

@@ -77,6 +77,40 @@ class HeldOut:
         return float(total[0] / total[1])
 
 
+class SampleWriter:
+    """Samples of the model at each validation, with the same conditions and seeds every time, as a
+    labelled PNG row in `<out>/samples/step-N.png` (videos: their first frames)."""
+
+    def __init__(self, adapter, model, base: str | None, spec, out: Path, seed: int):
+        from ..evaluate.samples import sample_conditions
+
+        if getattr(adapter, "sample_kind", "image") not in ("image", "video"):
+            raise ValueError(f"validation.num_samples draws images or videos; {adapter.name} models make "
+                             f"{adapter.sample_kind}: set validation.num_samples: 0")
+        self.adapter, self.base, self.spec, self.dir, self.seed = adapter, base, spec, Path(out) / "samples", seed
+        try:
+            self.conditions = sample_conditions(adapter, model, spec.num_samples, spec.prompts, spec.class_labels)
+        except ValueError as exc:
+            raise ValueError(f"validation: {exc}") from None
+
+    def write(self, model, step: int, device) -> "numpy.ndarray":  # noqa: F821
+        """Draw the samples, save them, and return the grid as an (H, W, 3) uint8 array."""
+        import numpy as np
+
+        from ..evaluate.samples import draw_samples, sample_grid
+
+        was_training = model.training
+        try:
+            _, samples = draw_samples(self.adapter, model.eval(), self.base, self.conditions, seed=self.seed,
+                                      steps=self.spec.sample_steps, device=device)
+        finally:
+            model.train(was_training)
+        grid = sample_grid(samples, f"step {step}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        grid.save(self.dir / f"step-{step:08d}.png")
+        return np.asarray(grid)
+
+
 class BestModel:
     """Tracks the lowest validation loss of a run (`<out>/best.json`, kept across resumes)."""
 
