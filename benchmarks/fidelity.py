@@ -96,7 +96,7 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
                         finetune_lr=5e-4, conversion={"options": {"chunk_size": 64}}),
         "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
-                         finetune_lr=2e-4, conversion={"blocks": "4x4"}),
+                         finetune_lr=5e-5, conversion={"blocks": "4x4"}),
     }
 
 

@@ -36,5 +36,11 @@ for model in wan-layer sana wan; do
     echo "== $py benchmarks/wan_forward.py --model $model >> whole_models.txt"
     "$py" benchmarks/wan_forward.py --model "$model" >> "$out/whole_models.txt" 2>&1 || { echo "   failed"; failed=1; }
 done
+echo "== $py benchmarks/fidelity.py > fidelity.txt"
+if "$py" benchmarks/fidelity.py --out "$out/fidelity-runs" > "$out/fidelity.txt" 2>&1; then
+    cp "$out"/fidelity-runs/fidelity.{json,md,png} "$out"/ && rm -rf "$out/fidelity-runs"
+else
+    echo "   failed"; failed=1
+fi
 echo "results in $out"
 exit $failed
