@@ -45,14 +45,10 @@ def _check_counts(**counts: int) -> None:
             raise EvalError(f"{name} must be at least 1; got {value}")
 
 
-def _compare_samples(model, reference, *, family, out_dir, requested, num_samples, seed, steps):
-    """Sample similarity of model and reference; the comparison lives in evaluate/samples.py."""
-    try:
-        from .samples import compare_samples
-    except ModuleNotFoundError as error:
-        if error.name != f"{__package__}.samples" or requested:
-            raise
-        return {}
+def _compare_samples(model, reference, *, family, out_dir, num_samples, seed, steps):
+    """Sample similarity of model and reference (evaluate/samples.py)."""
+    from .samples import compare_samples
+
     device = next(model.parameters()).device
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +177,7 @@ def evaluate(
         result["reference"] = score(ref)
         result["gap_percent"] = report.gaps(result["model"], result["reference"])
         if samples or (samples is None and not language_model):
-            comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out, requested=bool(samples),
+            comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out,
                                           num_samples=num_samples, seed=seed, steps=sample_steps)
             if comparison:
                 result["comparison"] = {f"sample_{k}": float(v) for k, v in comparison.items()}
