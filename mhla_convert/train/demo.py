@@ -14,7 +14,7 @@ model: {name: tiny-wan, family: wan}
 conversion: {ratio: 0.67, blocks: 1x2x2}     # the paper's hybrid: every third layer keeps softmax
 data: {kind: synthetic, num_samples: 64, batch_size: 8, latent_frames: 2, latent_size: [8, 8]}
 stages:
-  - {name: attention_transfer, steps: 10, lr: 1.0e-2}
+  - {name: attention_transfer, steps: 10, lr: 1.0e-3}
   - {name: finetune, steps: 40, train: all}
 optimizer: {lr: 2.0e-3, grad_clip: 1.0}
 logging: {every: 1, trackers: []}
