@@ -32,7 +32,7 @@ from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
-from .locations import HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
 from .placement import place_model
 
 FORMAT_VERSION = 1
@@ -181,7 +181,7 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
         return Path(
             snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"])
         )
-    except OSError as error:
+    except HUB_ERRORS as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
 
 

@@ -132,7 +132,7 @@ def test_hub_id_while_offline_suggests_a_local_path():
         load_model("wan2.1")
 
 
-def test_push_to_hub_creates_repo_uploads_and_writes_card(tiny, tmp_path, monkeypatch):
+def test_push_to_hub_creates_repo_and_uploads_checkpoint_and_card_in_one_commit(tiny, tmp_path, monkeypatch):
     from huggingface_hub import HfApi
 
     calls = {}
@@ -141,16 +141,21 @@ def test_push_to_hub_creates_repo_uploads_and_writes_card(tiny, tmp_path, monkey
         "create_repo",
         lambda self, repo_id, **kw: calls.setdefault("create", (repo_id, kw)) and f"https://huggingface.co/{repo_id}",
     )
-    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.setdefault("upload", kw))
+    monkeypatch.setattr(HfApi, "create_commit", lambda self, repo_id, operations, **kw: calls.update(
+        commit=(repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}, kw)))
     model = tiny("tiny-wan")
     convert(model, ratio=0.67)
     model.mhla_source["base_model"] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     path = save_pretrained(model, tmp_path / "ckpt")
+    (path / "README.md").write_text("an older card")  # replaced on the Hub, left alone here
     url = push_to_hub(path, "me/wan-mhla", private=True)
     assert url == "https://huggingface.co/me/wan-mhla"
     assert calls["create"] == ("me/wan-mhla", {"private": True, "exist_ok": True, "repo_type": "model"})
-    assert calls["upload"]["repo_id"] == "me/wan-mhla" and calls["upload"]["folder_path"] == str(path)
-    card = (path / "README.md").read_text()
+    repo_id, files, options = calls["commit"]
+    assert repo_id == "me/wan-mhla" and options["repo_type"] == "model"
+    assert sorted(files) == ["README.md", "config.json", "mhla_config.json", "model.safetensors"]
+    assert files["model.safetensors"] == str(path / "model.safetensors")
+    card = files["README.md"].decode()
     assert "base_model: Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in card and "library_name: mhla-convert" in card
     assert 'mhla_convert.from_pretrained("me/wan-mhla")' in card and "| converted layers | `1, 2, 4, 5` |" in card
-    assert from_pretrained(path).mhla_plan == model.mhla_plan  # the card does not disturb loading
+    assert (path / "README.md").read_text() == "an older card"
