@@ -16,7 +16,11 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
+from .locations import HUB_ERRORS, one_line
+
 DEFAULT_COMMAND = "convert"
+# What a command reports as one line: bad input (UnsupportedModelError is a ValueError), files, the Hub.
+USER_ERRORS = (ValueError, *HUB_ERRORS)
 
 
 class _ConvertByDefault(TyperGroup):
@@ -35,7 +39,7 @@ app = typer.Typer(
 
 
 def _fail(error: Exception) -> None:
-    typer.echo(f"error: {error}", err=True)
+    typer.echo(f"error: {one_line(error)}", err=True)
     raise typer.Exit(2)
 
 
@@ -133,7 +137,7 @@ def convert_command(
         typer.echo(f"saved: {saved}")
         if push:
             _push(saved, push, private)
-    except (ValueError, OSError) as error:  # UnsupportedModelError is a ValueError; hub errors are OSErrors
+    except USER_ERRORS as error:
         _fail(error)
 
 
@@ -186,7 +190,7 @@ def push_command(
     """Push a saved MHLA checkpoint to the hub with a generated model card."""
     try:
         _push(directory, repo_id, private)
-    except (ValueError, OSError) as error:
+    except USER_ERRORS as error:
         _fail(error)
 
 
@@ -198,7 +202,7 @@ def demo_command() -> None:
 
     try:
         run_demo()
-    except (ValueError, OSError) as error:
+    except USER_ERRORS as error:
         _fail(error)
 
 
@@ -228,7 +232,7 @@ def eval_command(
                           out_dir=out, device=device, dtype=dtype, timesteps=timesteps, samples=samples,
                           passkey_lengths=_int_list(passkey_lengths, "--passkey-lengths", "token counts", "256,1024"),
                           tasks=[t for t in (tasks or "").replace(" ", "").split(",") if t])
-    except (ValueError, OSError) as error:
+    except USER_ERRORS as error:
         _fail(error)
     typer.echo(table(result))
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'summary.md'}")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 
 from .io import read_mhla_config
+from .locations import HUB_ERRORS, one_line
+
+CARD_FILE = "README.md"
 
 CARD_TEMPLATE = """---
 {card_data}
@@ -62,10 +65,26 @@ def model_card(directory, repo_id: str) -> ModelCard:
 
 def push_to_hub(directory, repo_id: str, *, private: bool | None = None, token: str | None = None,
                 commit_message: str = "Upload MHLA-converted model") -> str:
-    """Create `repo_id` if needed, write the model card into `directory`, upload it; returns the URL."""
+    """Create `repo_id` if needed and upload the checkpoint in `directory` with a generated model card,
+    in one commit; returns the URL. The card is uploaded from memory: `directory` is left as it is."""
     directory = Path(directory)
-    model_card(directory, repo_id).save(directory / "README.md")
+    card = str(model_card(directory, repo_id)).encode()
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not _hidden_or_card(p.relative_to(directory)))
+    operations = [CommitOperationAdd(p.relative_to(directory).as_posix(), p) for p in files]
+    operations.append(CommitOperationAdd(CARD_FILE, card))
     api = HfApi(token=token)
-    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=str(directory), repo_id=repo_id, repo_type="model", commit_message=commit_message)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.create_commit(repo_id, operations, commit_message=commit_message, repo_type="model")
+    except HUB_ERRORS as error:
+        raise OSError(
+            f"could not push {directory} to {repo_id!r} on the Hugging Face Hub ({type(error).__name__}: "
+            f"{one_line(error)}); check the network (unset HF_HUB_OFFLINE) and your token (`hf auth login`), "
+            f"then push again: mhla-convert push {directory} {repo_id}"
+        ) from error
     return str(url)
+
+
+def _hidden_or_card(path: Path) -> bool:
+    """Files not uploaded: a README.md (the generated card replaces it) and hidden files such as .cache/."""
+    return path.as_posix() == CARD_FILE or any(part.startswith(".") for part in path.parts)

@@ -32,7 +32,7 @@ from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
-from .locations import HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
 from .placement import place_model
 
 FORMAT_VERSION = 1
@@ -146,7 +146,12 @@ def read_mhla_config(directory) -> dict[str, Any]:
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a (sharded) safetensors checkpoint, with the tied duplicates that saving
-    dropped restored from the metadata (`save_torch_state_dict` records them as name -> kept)."""
+    dropped restored from the metadata (`save_torch_state_dict` records them as name -> kept).
+
+    Each tensor is copied into its own allocation as it is read (peak memory: one tensor over the
+    state dict). safetensors hands out views into the file buffer at offsets that are not 64-byte
+    aligned, and CPU matmuls on such storage take other code paths: the reloaded model's outputs
+    would differ in the last bits from the model that was saved."""
     index = directory / WEIGHTS_INDEX
     if index.is_file():
         data = json.loads(index.read_text())
@@ -157,7 +162,7 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(directory / name, framework="pt") as f:
             metadata = metadata if metadata is not None else f.metadata() or {}
-            state.update({key: f.get_tensor(key) for key in f.keys()})
+            state.update({key: f.get_tensor(key).clone() for key in f.keys()})
     for alias, kept in (metadata or {}).items():
         if kept in state and alias not in state:
             state[alias] = state[kept]
@@ -176,7 +181,7 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
         return Path(
             snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"])
         )
-    except OSError as error:
+    except HUB_ERRORS as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
 
 

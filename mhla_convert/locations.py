@@ -1,17 +1,29 @@
 """Names loading and saving share: the attribute recording where a model came from, the file that
-marks an MHLA checkpoint, what a hub id looks like, and the error for an unreachable hub."""
+marks an MHLA checkpoint, what a hub id looks like, what reaching the Hub can raise, and the error
+for an unreachable hub."""
 
 from __future__ import annotations
 
 import re
 
+from huggingface_hub.errors import HTTPError
+
 SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 MHLA_CONFIG = "mhla_config.json"
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# huggingface_hub's own errors are OSErrors (HTTP status, offline mode, not in the cache); its HTTP
+# library's transport errors (connection refused, timeouts) derive only from that library's HTTPError.
+HUB_ERRORS: tuple[type[Exception], ...] = (OSError, HTTPError)
+
+
+def one_line(error: Exception) -> str:
+    """`error`'s message on one line (hub errors spread theirs over several)."""
+    return " ".join(str(error).split())
 
 
 def hub_unreachable(repo_id: str, error: Exception) -> OSError:
     return OSError(
-        f"could not reach the Hugging Face Hub for {repo_id!r} ({type(error).__name__}: {error}); "
-        "pass a local directory instead (a model saved with save_pretrained, or a pipeline folder with transformer/)"
+        f"could not reach the Hugging Face Hub for {repo_id!r} ({type(error).__name__}: {one_line(error)}); "
+        "check the network, or set HF_HUB_OFFLINE=1 and pass a local directory instead "
+        "(a model saved with save_pretrained, or a pipeline folder with transformer/)"
     )

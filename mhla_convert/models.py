@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import HTTPError
 from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
-from .locations import HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
 from .placement import parse_dtype, place_model
 
 PIPELINE_SUBFOLDER = "transformer"
@@ -91,7 +92,7 @@ def _hub_source(repo_id: str, revision: str | None) -> Source:
             return Source("converted", repo_id, revision=info.sha)
         subfolder = PIPELINE_SUBFOLDER if "model_index.json" in files else None
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
-    except OSError as error:  # huggingface_hub's HTTP, offline and not-found errors are all OSErrors
+    except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
     return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()))
 
@@ -135,7 +136,10 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         )
         if v is not None
     }
-    model = adapter.load_pretrained(source.location, **kwargs)
+    try:
+        model = adapter.load_pretrained(source.location, **kwargs)
+    except HTTPError as error:  # the download broke off; diffusers / transformers report other failures themselves
+        raise hub_unreachable(source.location, error) from error
     setattr(
         model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -106,3 +108,70 @@ def test_unsupported_architecture_names_the_families(tmp_path):
 def test_push_command_on_a_base_model_dir_is_a_clear_error(base_dir):
     result = invoke("push", base_dir / "transformer", "me/x")
     assert result.exit_code == 2 and "no mhla_config.json" in result.output
+
+
+def _network_down(*args, **kwargs):
+    """What the hub client raises with no network: its HTTP library's (httpx's) ConnectError, not an OSError."""
+    from huggingface_hub.errors import HTTPError
+
+    raise importlib.import_module(HTTPError.__module__).ConnectError("[Errno 101] Network is unreachable")
+
+
+def _assert_one_line_exit_2(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def _files(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_converting_a_hub_id_with_the_network_down_is_one_line(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    monkeypatch.setattr(HfApi, "model_info", _network_down)
+    result = invoke("some-org/some-model", "--out", tmp_path / "x")
+    _assert_one_line_exit_2(result, "'some-org/some-model'", "ConnectError", "check the network", "HF_HUB_OFFLINE=1")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_download_breaking_off_while_loading_is_one_line(tiny, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from huggingface_hub import HfApi
+
+    from mhla_convert.families.diffusers_base import DiffusersAdapter
+
+    tiny("tiny-dit").save_pretrained(tmp_path / "base")
+    info = SimpleNamespace(sha="0" * 40, siblings=[SimpleNamespace(rfilename="config.json")])
+    monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: info)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda *a, **kw: str(tmp_path / "base" / "config.json"))
+    monkeypatch.setattr(DiffusersAdapter, "load_pretrained", _network_down)
+    result = invoke("some-org/some-dit", "--out", tmp_path / "x")
+    _assert_one_line_exit_2(result, "'some-org/some-dit'", "ConnectError", "check the network")
+
+
+def test_reloading_a_hub_checkpoint_with_the_network_down_names_the_fix(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.snapshot_download", _network_down)
+    with pytest.raises(OSError, match="'someone/some-mhla'.*ConnectError.*check the network"):
+        from_pretrained("someone/some-mhla")
+
+
+@pytest.mark.parametrize("broken", ["create_repo", "create_commit"])
+def test_push_with_the_network_down_is_one_line_and_leaves_the_checkpoint(tiny, tmp_path, monkeypatch, broken):
+    from huggingface_hub import HfApi
+
+    from mhla_convert import convert, save_pretrained
+
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    before = _files(path)
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: f"https://huggingface.co/{repo_id}")
+    monkeypatch.setattr(HfApi, broken, _network_down)
+    result = invoke("push", path, "me/dit-mhla")
+    _assert_one_line_exit_2(result, "'me/dit-mhla'", "ConnectError", "check the network", "mhla-convert push")
+    assert _files(path) == before  # no README.md written before the upload reached the Hub
