@@ -4,16 +4,31 @@ for an unreachable hub."""
 
 from __future__ import annotations
 
+import importlib
 import re
-
-from huggingface_hub.errors import HTTPError
 
 SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 MHLA_CONFIG = "mhla_config.json"
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The base errors of whichever HTTP library this huggingface_hub uses: its `errors.HTTPError` where it
+    names one (httpx or its successor), else httpx's and requests' own (older releases)."""
+    found = []
+    for module, name in (("huggingface_hub.errors", "HTTPError"), ("httpx", "HTTPError"),
+                         ("requests", "RequestException")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 # huggingface_hub's own errors are OSErrors (HTTP status, offline mode, not in the cache); its HTTP
-# library's transport errors (connection refused, timeouts) derive only from that library's HTTPError.
-HUB_ERRORS: tuple[type[Exception], ...] = (OSError, HTTPError)
+# library's transport errors (connection refused, timeouts) derive only from that library's base error.
+TRANSPORT_ERRORS = _transport_errors()
+HUB_ERRORS: tuple[type[Exception], ...] = (OSError, *TRANSPORT_ERRORS)
 
 
 def one_line(error: Exception) -> str:

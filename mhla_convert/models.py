@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub.errors import HTTPError
 from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
-from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_ERRORS, hub_unreachable
 from .placement import parse_dtype, place_model
 
 PIPELINE_SUBFOLDER = "transformer"
@@ -138,7 +137,7 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
     }
     try:
         model = adapter.load_pretrained(source.location, **kwargs)
-    except HTTPError as error:  # the download broke off; diffusers / transformers report other failures themselves
+    except TRANSPORT_ERRORS as error:  # the download broke off; the libraries report other failures themselves
         raise hub_unreachable(source.location, error) from error
     setattr(
         model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}

@@ -112,9 +112,9 @@ def test_push_command_on_a_base_model_dir_is_a_clear_error(base_dir):
 
 def _network_down(*args, **kwargs):
     """What the hub client raises with no network: its HTTP library's (httpx's) ConnectError, not an OSError."""
-    from huggingface_hub.errors import HTTPError
+    from mhla_convert.locations import TRANSPORT_ERRORS
 
-    raise importlib.import_module(HTTPError.__module__).ConnectError("[Errno 101] Network is unreachable")
+    raise importlib.import_module(TRANSPORT_ERRORS[0].__module__).ConnectError("[Errno 101] Network is unreachable")
 
 
 def _assert_one_line_exit_2(result, *fragments):
