@@ -96,7 +96,7 @@ def convert_command(
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
     from .convert import convert, parse_blocks
     from .io import save_pretrained
-    from .models import load_source, resolve
+    from .models import load_source, resolve, save_companions
     from .options import ATTENTIONS
     from .placement import parse_dtype
     from .plan import AUTO_NEEDS_CALIBRATION, check_selection
@@ -134,7 +134,8 @@ def convert_command(
         target = out or _default_out(model)
         with _step(f"saving to {target}"):
             saved = save_pretrained(base, target)
-        typer.echo(f"saved: {saved}")
+            companions = save_companions(source, saved)
+        typer.echo(f"saved: {saved}" + (f" (with the base model's {' and '.join(companions)})" if companions else ""))
         if push:
             _push(saved, push, private)
     except USER_ERRORS as error:

@@ -60,6 +60,7 @@ class Source:
     subfolder: str | None = None
     revision: str | None = None
     config: dict[str, Any] | None = None  # the base model's config (not for tiny / converted)
+    files: frozenset[str] = frozenset()  # the files of the model directory or hub repo (not for tiny / converted)
 
     def describe(self) -> str:
         where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
@@ -77,7 +78,8 @@ def _local_source(path: Path) -> Source:
     for subfolder in (None, PIPELINE_SUBFOLDER):
         config = path / (subfolder or "") / "config.json"
         if config.is_file():
-            return Source("local", str(path), subfolder, config=json.loads(config.read_text()))
+            files = frozenset(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
+            return Source("local", str(path), subfolder, config=json.loads(config.read_text()), files=files)
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
 
 
@@ -93,7 +95,7 @@ def _hub_source(repo_id: str, revision: str | None) -> Source:
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
     except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
-    return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()))
+    return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()), frozenset(files))
 
 
 def resolve(spec: str, *, revision: str | None = None) -> Source:
@@ -143,3 +145,28 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}
     )
     return place_model(model, None, device).eval()
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+GENERATION_CONFIG = "generation_config.json"
+
+
+def save_companions(source: Source, directory) -> list[str]:
+    """Save a transformers source's tokenizer (with its chat template) and generation config into
+    `directory` beside a converted model, through transformers' own loaders and writers, so the
+    checkpoint is usable on its own. What the source lacks is skipped. Returns what was saved."""
+    if source.kind not in ("local", "hub") or adapter_for_config(source.config).library != "transformers":
+        return []
+    from transformers import AutoTokenizer, GenerationConfig
+
+    saved = []
+    try:
+        if any(name in source.files for name in TOKENIZER_FILES):
+            AutoTokenizer.from_pretrained(source.location, revision=source.revision).save_pretrained(directory)
+            saved.append("tokenizer")
+        if GENERATION_CONFIG in source.files:
+            GenerationConfig.from_pretrained(source.location, revision=source.revision).save_pretrained(directory)
+            saved.append("generation config")
+    except TRANSPORT_ERRORS as error:
+        raise hub_unreachable(source.location, error) from error
+    return saved

@@ -175,3 +175,48 @@ def test_push_with_the_network_down_is_one_line_and_leaves_the_checkpoint(tiny, 
     result = invoke("push", path, "me/dit-mhla")
     _assert_one_line_exit_2(result, "'me/dit-mhla'", "ConnectError", "check the network", "mhla-convert push")
     assert _files(path) == before  # no README.md written before the upload reached the Hub
+
+
+@pytest.fixture
+def lm_dir(tiny, tmp_path):
+    """A local LM directory as the Hub has them: weights, a tokenizer with a chat template, a generation config."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    root = tmp_path / "lm"
+    tiny("tiny-llama").save_pretrained(root)
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1, "hello": 2, "world": 3}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(root)
+    GenerationConfig(max_new_tokens=7, do_sample=True, temperature=0.6, pad_token_id=0).save_pretrained(root)
+    return root
+
+
+def test_convert_saves_the_lm_tokenizer_chat_template_and_generation_config(lm_dir, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    out = tmp_path / "out"
+    result = invoke(lm_dir, "--ratio", 0.5, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "with the base model's tokenizer and generation config" in result.output
+    source, saved = AutoTokenizer.from_pretrained(lm_dir), AutoTokenizer.from_pretrained(out)
+    assert saved.chat_template == source.chat_template is not None
+    assert saved("hello world")["input_ids"] == source("hello world")["input_ids"] == [2, 3]
+    assert GenerationConfig.from_pretrained(out) == GenerationConfig.from_pretrained(lm_dir)
+    assert from_pretrained(out).mhla_plan["layers"] == [1, 3]
+
+
+def test_convert_skips_what_the_source_lacks(tiny, tmp_path):
+    root = tmp_path / "lm"
+    tiny("tiny-llama").save_pretrained(root)  # transformers writes a generation config, no tokenizer
+    result = invoke(root, "--out", tmp_path / "local")
+    assert result.exit_code == 0, result.output
+    assert "with the base model's generation config" in result.output
+    assert (tmp_path / "local" / "generation_config.json").is_file()
+    assert not (tmp_path / "local" / "tokenizer_config.json").exists()
+    result = invoke("tiny-llama", "--out", tmp_path / "tiny")
+    assert result.exit_code == 0, result.output
+    assert "with the base model's" not in result.output
+    assert {p.name for p in (tmp_path / "tiny").iterdir()} == {"config.json", "model.safetensors", "mhla_config.json"}
