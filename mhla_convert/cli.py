@@ -88,7 +88,8 @@ def convert_command(
         None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
     ),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
-    dtype: Optional[str] = typer.Option(None, help="Load and save in this dtype: bf16, fp16 or fp32."),
+    dtype: Optional[str] = typer.Option(
+        None, help="Load and save in this dtype: bf16, fp16 or fp32 (default: the source's)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
     push: Optional[str] = typer.Option(None, help="Also push the result to this hub repo id."),
     private: bool = typer.Option(False, help="With --push: create the repo private."),

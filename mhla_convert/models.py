@@ -8,6 +8,10 @@ Diffusers pipelines keep the transformer in a `transformer/` subfolder, which is
 from __future__ import annotations
 
 import json
+import math
+import re
+import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,9 @@ from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_E
 from .placement import parse_dtype, place_model
 
 PIPELINE_SUBFOLDER = "transformer"
+# The weight files diffusers' `from_pretrained` reads by default (no variant), single or sharded.
+DIFFUSERS_WEIGHTS = re.compile(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors")
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def aliases() -> dict[str, tuple[str, str]]:
@@ -128,12 +135,14 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
 
         return from_pretrained(source.location, torch_dtype=torch_dtype, device=device, revision=source.revision)
     adapter = adapter_for_config(source.config)
+    # transformers keeps the stored dtype by itself (dtype="auto"); diffusers loads float32 unless told
+    dtype = parse_dtype(torch_dtype) or (stored_dtype(source) if adapter.library == "diffusers" else None)
     kwargs = {
         k: v
         for k, v in (
             ("subfolder", source.subfolder),
             ("revision", source.revision),
-            ("torch_dtype", parse_dtype(torch_dtype)),
+            ("torch_dtype", dtype),
         )
         if v is not None
     }
@@ -145,6 +154,39 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}
     )
     return place_model(model, None, device).eval()
+
+
+def _local_parameter_count(path: Path) -> dict[str, int]:
+    """Elements per safetensors dtype name in a local file, from its header alone."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    counts: Counter[str] = Counter()
+    for name, info in header.items():
+        if name != "__metadata__":
+            counts[info["dtype"]] += math.prod(info["shape"])
+    return counts
+
+
+def stored_dtype(source: Source) -> torch.dtype | None:
+    """The floating dtype holding most of a diffusers source's weights, read from the safetensors
+    headers (over the Hub: the headers only, not the weights); None when it has no such files."""
+    folder = f"{source.subfolder}/" if source.subfolder else ""
+    names = [f for f in source.files if f.startswith(folder) and DIFFUSERS_WEIGHTS.fullmatch(f[len(folder):])]
+    counts: Counter[str] = Counter()
+    for name in names:
+        if source.kind == "local":
+            counts.update(_local_parameter_count(Path(source.location) / name))
+            continue
+        from huggingface_hub import HfApi
+
+        try:
+            counts.update(HfApi().parse_safetensors_file_metadata(
+                source.location, name, revision=source.revision).parameter_count)
+        except HUB_ERRORS as error:
+            raise hub_unreachable(source.location, error) from error
+    floating = [(count, name) for name, count in counts.items() if name in SAFETENSORS_DTYPES]
+    return SAFETENSORS_DTYPES[max(floating)[1]] if floating else None
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")

@@ -220,3 +220,23 @@ def test_convert_skips_what_the_source_lacks(tiny, tmp_path):
     assert result.exit_code == 0, result.output
     assert "with the base model's" not in result.output
     assert {p.name for p in (tmp_path / "tiny").iterdir()} == {"config.json", "model.safetensors", "mhla_config.json"}
+
+
+@pytest.mark.parametrize("name", ["tiny-dit", "tiny-wan", "tiny-llama"])
+def test_convert_keeps_the_source_dtype_unless_told(tiny, tmp_path, name):
+    from safetensors.torch import load_file
+
+    from mhla_convert.placement import cast_model
+
+    source = cast_model(tiny(name), torch.bfloat16)
+    source.save_pretrained(tmp_path / "bf16")
+    keep = set(getattr(source, "_keep_in_fp32_modules", None) or [])
+    for args, dtype in (((), torch.bfloat16), (("--dtype", "float32"), torch.float32)):
+        out = tmp_path / f"out-{dtype}"
+        result = invoke(tmp_path / "bf16", "--ratio", 0.5, "--out", out, *args)
+        assert result.exit_code == 0, result.output
+        saved = {k: t.dtype for k, t in load_file(out / "model.safetensors").items() if k in source.state_dict()}
+        expected = {k: torch.float32 if keep & set(k.split(".")) else dtype for k in saved}
+        assert saved == expected
+        if keep and dtype == torch.bfloat16:
+            assert torch.float32 in saved.values() and torch.bfloat16 in saved.values()
