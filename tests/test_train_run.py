@@ -172,3 +172,25 @@ def test_cli_prints_one_line(tmp_path):
     result = CliRunner().invoke(app, ["finetune", str(bad), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "stages[1].stesp: unknown key" in result.output
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state whose precision cannot change once set."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_fp16_on_cpu_is_refused_before_the_model_loads(tmp_path, monkeypatch, fresh_accelerate_state):
+    from mhla_convert.train import trainer
+
+    def no_build(*_, **__):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    with pytest.raises(TrainError, match=r'precision: fp16 cannot run on this cpu device .*set precision: "no"'):
+        Trainer(parse_recipe(TINY, overrides=["precision=fp16"]), tmp_path / "run")
+    assert not (tmp_path / "run" / "recipe.yaml").exists()

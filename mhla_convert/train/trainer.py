@@ -74,6 +74,19 @@ def _refuse_unsupported_fsdp(acc, recipe: Recipe) -> None:
         )
 
 
+def _refuse_unhonoured_precision(acc, recipe: Recipe) -> None:
+    """Accelerate quietly trains in fp32 when the device cannot run the requested mixed precision
+    (fp16 on a CPU): say so before any model loads, instead of a run that is not what it claims."""
+    if recipe.precision == "no" or acc.native_amp:
+        return
+    if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return  # these engines run the precision themselves
+    raise TrainError(
+        f"precision: {recipe.precision} cannot run on this {acc.device.type} device (Accelerate would train in "
+        f'fp32); set precision: "no", or train on a GPU' + (" (or precision: bf16)" if acc.device.type == "cpu" else "")
+    )
+
+
 def _full_state_into(wrapped, fresh) -> None:
     """Copy a sharded (FSDP) model's weights into an unwrapped model of the same structure, on every
     rank, one tensor at a time (collective: every rank calls it). FSDP2 parameters are DTensors whose
@@ -111,6 +124,7 @@ class Trainer:
             step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the world size
         )
         acc = self.accelerator
+        _refuse_unhonoured_precision(acc, recipe)
         self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(
