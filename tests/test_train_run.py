@@ -194,3 +194,19 @@ def test_fp16_on_cpu_is_refused_before_the_model_loads(tmp_path, monkeypatch, fr
     with pytest.raises(TrainError, match=r'precision: fp16 cannot run on this cpu device .*set precision: "no"'):
         Trainer(parse_recipe(TINY, overrides=["precision=fp16"]), tmp_path / "run")
     assert not (tmp_path / "run" / "recipe.yaml").exists()
+
+
+@pytest.mark.parametrize("mode", ["mhla", "attention", "all", "lora"])
+def test_fixed_mixing_stays_frozen_in_every_mode(mode):
+    from mhla_convert.train.build import build_model
+    from mhla_convert.train.params import add_lora, select_trainable
+
+    recipe = parse_recipe(TINY, overrides=["conversion={options: {learnable_mixing: false}}", "stages.1.train=lora"])
+    built = build_model(recipe, teachers=False)
+    if mode == "lora":
+        add_lora(built.model, recipe.stages[1].lora)
+    params = select_trainable(built.model, mode, built.adapter)
+    layers = [layer for _, layer in mhla_convert.mhla_layers(built.model)]
+    assert layers and params
+    assert not any(layer.mixing.requires_grad for layer in layers)
+    assert not any(p is layer.mixing for p in params for layer in layers)
