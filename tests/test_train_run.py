@@ -210,3 +210,26 @@ def test_fixed_mixing_stays_frozen_in_every_mode(mode):
     assert layers and params
     assert not any(layer.mixing.requires_grad for layer in layers)
     assert not any(p is layer.mixing for p in params for layer in layers)
+
+
+def test_inf_weights_stop_the_run_before_anything_is_saved(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 6:  # the last optimizer step: the loss of that step was still finite
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    with pytest.raises(
+        TrainError,
+        match=r"the trained weights became inf/NaN at step 6 \(finetune\); stopped\. Last good checkpoint: .*step-0+4",
+    ):
+        train(parse_recipe(TINY), tmp_path / "run", log=lambda *_: None)
+    assert calls["n"] == 6
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000006").exists()
+    assert not (tmp_path / "run" / "model").exists()

@@ -290,12 +290,9 @@ class Trainer:
                 losses.append(loss.detach().float())
             loss = acc.gather(torch.stack(losses).mean()[None]).mean().item()
             if not math.isfinite(loss):
-                kept = checkpoints.latest(self.out, __version__)
-                raise TrainError(
-                    f"loss became {loss} at step {step + 1} ({stage.name}); stopped. "
-                    + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
-                    + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
-                )
+                raise self._diverged(f"loss became {loss}", step + 1, stage)
+            if not self._all_finite(params):
+                raise self._diverged("the trained weights became inf/NaN", step + 1, stage)
             scheduler.step()
             clamp_mixing_(model)
             step += 1
@@ -319,6 +316,23 @@ class Trainer:
                 break
         bar.close()
         return step
+
+    def _all_finite(self, params: list) -> bool:
+        """Whether every trained weight is finite on every process (one small gather a step); FSDP
+        parameters are checked shard by shard."""
+        local = [getattr(p, "_local_tensor", p).detach() for p in params]
+        peaks = [t.float().abs().max() for t in local if t.numel()]
+        finite = torch.stack(peaks).isfinite().all() if peaks else torch.tensor(True)
+        return bool(self.accelerator.gather(finite.to(self.accelerator.device)[None]).all())
+
+    def _diverged(self, what: str, step: int, stage: StageSpec) -> TrainError:
+        """The run stops before anything (checkpoint, best or final model) is written from bad weights."""
+        kept = checkpoints.latest(self.out, __version__)
+        return TrainError(
+            f"{what} at step {step} ({stage.name}); stopped. "
+            + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
+            + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
+        )
 
     def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
         """Held-out loss (and samples) of the model as it stands (the transfer hooks, which hand the
