@@ -233,3 +233,22 @@ def test_inf_weights_stop_the_run_before_anything_is_saved(tmp_path, monkeypatch
     assert calls["n"] == 6
     assert not (tmp_path / "run" / "checkpoints" / "step-00000006").exists()
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_resume_refuses_a_shorter_or_different_recipe(tmp_path):
+    run = tmp_path / "run"
+    assert train(parse_recipe(TINY), run, stop_after=4, log=lambda *_: None) is None  # checkpoints at 2 and 4
+    with pytest.raises(TrainError, match=r"step-0+4 is at step 4, beyond this recipe's 3 steps: lengthen the stages"):
+        train(parse_recipe(TINY, overrides=["stages.1.steps=1"]), run, log=lambda *_: None)
+    with pytest.raises(
+        TrainError, match=r"another recipe \(optimizer.lr: 0.001 -> 0.002; seed: 0 -> 1\): resume with the same recipe"
+    ):
+        train(parse_recipe(TINY, overrides=["optimizer.lr=2e-3", "seed=1"]), run, log=lambda *_: None)
+    with pytest.raises(TrainError, match=r"stages\[2\].name: \(absent\) -> finetune"):
+        train(parse_recipe(TINY, overrides=["stages=[{name: attention_transfer, steps: 2, lr: 1.0e-2}, "
+                                            "{name: finetune, steps: 4, train: all}, {name: finetune, steps: 1}]"]),
+              run, log=lambda *_: None)
+    assert not (run / "model").exists()
+    longer = ["stages.1.steps=5", "checkpoint_every=3", "keep_checkpoints=1", "logging.every=2"]
+    assert train(parse_recipe(TINY, overrides=longer), run, log=lambda *_: None) == run / "model"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000007"]

@@ -10,6 +10,7 @@ resumed run ends with the same weights as an uninterrupted one.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -87,6 +88,45 @@ def _refuse_unhonoured_precision(acc, recipe: Recipe) -> None:
     )
 
 
+RUN_LENGTH_KEYS = re.compile(r"stages\[\d+\]\.steps|checkpoint_every|keep_checkpoints|logging\..*")
+
+
+def _leaves(value, prefix: str = "") -> dict:
+    """A recipe dict as {"optimizer.lr": 0.001, "stages[1].steps": 4, ...}."""
+    if isinstance(value, dict):
+        named = {(f"{prefix}.{key}" if prefix else key): sub for key, sub in value.items()}
+        return {k: v for name, sub in named.items() for k, v in _leaves(sub, name).items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return {k: v for i, sub in enumerate(value) for k, v in _leaves(sub, f"{prefix}[{i}]").items()}
+    return {prefix: value}
+
+
+def _refuse_other_run(out: Path, recipe: Recipe, resume_from: checkpoints.Checkpoint) -> None:
+    """A checkpoint continues only the run that wrote it: the recipe may change its length (stages'
+    steps, checkpoint_every, keep_checkpoints, logging) but nothing that would train differently."""
+    if resume_from.step > recipe.total_steps:
+        raise TrainError(
+            f"{resume_from.path} is at step {resume_from.step}, beyond this recipe's {recipe.total_steps} steps: "
+            "lengthen the stages, or start afresh with a new --out"
+        )
+    saved_file = out / "recipe.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _leaves(yaml.safe_load(saved_file.read_text()))
+    now = _leaves(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+    missing = "(absent)"
+    changed = [
+        f"{key}: {saved.get(key, missing)} -> {now.get(key, missing)}"
+        for key in dict.fromkeys([*saved, *now])
+        if not RUN_LENGTH_KEYS.fullmatch(key) and saved.get(key, missing) != now.get(key, missing)
+    ]
+    if changed:
+        raise TrainError(
+            f"{out} holds checkpoints of another recipe ({'; '.join(changed)}): resume with the same recipe "
+            "(only stages' steps, checkpoint_every, keep_checkpoints and logging may change), or use a new --out"
+        )
+
+
 def _full_state_into(wrapped, fresh) -> None:
     """Copy a sharded (FSDP) model's weights into an unwrapped model of the same structure, on every
     rank, one tensor at a time (collective: every rank calls it). FSDP2 parameters are DTensors whose
@@ -130,6 +170,8 @@ class Trainer:
             raise TrainError(
                 f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)"
             )
+        if self.resume_from:
+            _refuse_other_run(self.out, recipe, self.resume_from)
         check_data_path(recipe.data)
         _refuse_unsupported_fsdp(acc, recipe)
         set_seed(recipe.seed)
