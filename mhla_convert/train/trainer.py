@@ -362,7 +362,9 @@ class Trainer:
     def _all_finite(self, params: list) -> bool:
         """Whether every trained weight is finite on every process (one small gather a step); FSDP
         parameters are checked shard by shard."""
-        local = [getattr(p, "_local_tensor", p).detach() for p in params]
+        from torch.distributed.tensor import DTensor
+
+        local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
         peaks = [t.float().abs().max() for t in local if t.numel()]
         finite = torch.stack(peaks).isfinite().all() if peaks else torch.tensor(True)
         return bool(self.accelerator.gather(finite.to(self.accelerator.device)[None]).all())
