@@ -1,6 +1,7 @@
 """Recipe schema: every shipped recipe validates; malformed ones are refused with the key, the
 allowed values and the line."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,38 @@ def test_lora_stage_must_be_last():
     text = GOOD.replace("    steps: 3\n", "    steps: 3\n    train: lora\n  - name: finetune\n    steps: 2\n")
     with pytest.raises(RecipeError, match="LoRA stage must be the last"):
         parse_recipe(text, "r.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("optimizer.grad_clip=-1", r"optimizer.grad_clip: must be a finite number > 0 .*or null .*got -1.0"),
+        ("optimizer.grad_clip=0", r"optimizer.grad_clip: must be a finite number > 0"),
+        ("optimizer.grad_clip=.nan", r"optimizer.grad_clip: must be a finite number > 0"),
+        ("optimizer.lr=0", r"optimizer.lr: must be a finite number > 0"),
+        ("optimizer.lr=-1e-4", r"optimizer.lr: must be a finite number > 0"),
+        ("optimizer.lr=.inf", r"optimizer.lr: must be a finite number > 0"),
+        ("stages.0.lr=-1e-3", r"stages\[0\].lr: must be a finite number > 0"),
+        ("stages.0.lr=.nan", r"stages\[0\].lr: must be a finite number > 0"),
+        ("optimizer.betas=[0.9, 1.0]", r"optimizer.betas\[1\]: must be in \[0, 1\)"),
+        ("optimizer.betas=[-0.1, 0.999]", r"optimizer.betas\[0\]: must be in \[0, 1\)"),
+        ("optimizer.betas=[0.9]", r"optimizer.betas: give two numbers"),
+        ("optimizer.eps=0", r"optimizer.eps: must be a finite number > 0"),
+        ("optimizer.weight_decay=-0.01", r"optimizer.weight_decay: must be a finite number ≥ 0"),
+        ("optimizer.weight_decay=.nan", r"optimizer.weight_decay: must be a finite number ≥ 0"),
+        ("schedule.warmup_steps=-1", r"schedule.warmup_steps: must be ≥ 0"),
+        ("objective.flow_shift=0", r"objective.flow_shift: must be a finite number > 0"),
+        ("objective.flow_shift=-3", r"objective.flow_shift: must be a finite number > 0"),
+    ],
+)
+def test_optimizer_values_that_would_train_wrong_are_refused(override, expected):
+    with pytest.raises(RecipeError, match=rf"--set {re.escape(override)}\): {expected}"):
+        parse_recipe(GOOD, "r.yaml", [override])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["optimizer.grad_clip=null", "optimizer.weight_decay=0", "objective.flow_shift=null", "optimizer.betas=[0.0, 0.5]"],
+)
+def test_optimizer_edge_values_are_accepted(override):
+    parse_recipe(GOOD, "r.yaml", [override])

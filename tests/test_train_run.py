@@ -172,3 +172,83 @@ def test_cli_prints_one_line(tmp_path):
     result = CliRunner().invoke(app, ["finetune", str(bad), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert result.output.strip().count("\n") == 0 and "stages[1].stesp: unknown key" in result.output
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state whose precision cannot change once set."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
+def test_fp16_on_cpu_is_refused_before_the_model_loads(tmp_path, monkeypatch, fresh_accelerate_state):
+    from mhla_convert.train import trainer
+
+    def no_build(*_, **__):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(trainer, "build_model", no_build)
+    with pytest.raises(TrainError, match=r'precision: fp16 cannot run on this cpu device .*set precision: "no"'):
+        Trainer(parse_recipe(TINY, overrides=["precision=fp16"]), tmp_path / "run")
+    assert not (tmp_path / "run" / "recipe.yaml").exists()
+
+
+@pytest.mark.parametrize("mode", ["mhla", "attention", "all", "lora"])
+def test_fixed_mixing_stays_frozen_in_every_mode(mode):
+    from mhla_convert.train.build import build_model
+    from mhla_convert.train.params import add_lora, select_trainable
+
+    recipe = parse_recipe(TINY, overrides=["conversion={options: {learnable_mixing: false}}", "stages.1.train=lora"])
+    built = build_model(recipe, teachers=False)
+    if mode == "lora":
+        add_lora(built.model, recipe.stages[1].lora)
+    params = select_trainable(built.model, mode, built.adapter)
+    layers = [layer for _, layer in mhla_convert.mhla_layers(built.model)]
+    assert layers and params
+    assert not any(layer.mixing.requires_grad for layer in layers)
+    assert not any(p is layer.mixing for p in params for layer in layers)
+
+
+def test_inf_weights_stop_the_run_before_anything_is_saved(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 6:  # the last optimizer step: the loss of that step was still finite
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    with pytest.raises(
+        TrainError,
+        match=r"the trained weights became inf/NaN at step 6 \(finetune\); stopped\. Last good checkpoint: .*step-0+4",
+    ):
+        train(parse_recipe(TINY), tmp_path / "run", log=lambda *_: None)
+    assert calls["n"] == 6
+    assert not (tmp_path / "run" / "checkpoints" / "step-00000006").exists()
+    assert not (tmp_path / "run" / "model").exists()
+
+
+def test_resume_refuses_a_shorter_or_different_recipe(tmp_path):
+    run = tmp_path / "run"
+    assert train(parse_recipe(TINY), run, stop_after=4, log=lambda *_: None) is None  # checkpoints at 2 and 4
+    with pytest.raises(TrainError, match=r"step-0+4 is at step 4, beyond this recipe's 3 steps: lengthen the stages"):
+        train(parse_recipe(TINY, overrides=["stages.1.steps=1"]), run, log=lambda *_: None)
+    with pytest.raises(
+        TrainError, match=r"another recipe \(optimizer.lr: 0.001 -> 0.002; seed: 0 -> 1\): resume with the same recipe"
+    ):
+        train(parse_recipe(TINY, overrides=["optimizer.lr=2e-3", "seed=1"]), run, log=lambda *_: None)
+    with pytest.raises(TrainError, match=r"stages\[2\].name: \(absent\) -> finetune"):
+        train(parse_recipe(TINY, overrides=["stages=[{name: attention_transfer, steps: 2, lr: 1.0e-2}, "
+                                            "{name: finetune, steps: 4, train: all}, {name: finetune, steps: 1}]"]),
+              run, log=lambda *_: None)
+    assert not (run / "model").exists()
+    longer = ["stages.1.steps=5", "checkpoint_every=3", "keep_checkpoints=1", "logging.every=2"]
+    assert train(parse_recipe(TINY, overrides=longer), run, log=lambda *_: None) == run / "model"
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000007"]

@@ -16,20 +16,23 @@ MHLA_LINEARS = ("to_q", "to_k", "to_v", "to_out")
 
 
 def select_trainable(model: nn.Module, mode: str, adapter) -> list:
-    """Freeze everything, unfreeze what `mode` trains, return those parameters."""
+    """Freeze everything, unfreeze what `mode` trains, return those parameters. A layer converted
+    with `learnable_mixing: false` keeps its mixing weights fixed whatever the mode."""
     model.requires_grad_(False)
     if mode == "all":
         model.requires_grad_(True)
     elif mode == "mhla":
         for _, layer in mhla_layers(model):
             layer.requires_grad_(True)
-            layer.mixing.requires_grad_(layer.config.learnable_mixing)
     elif mode == "attention":
         for module in adapter.attention_modules(model):
             module.requires_grad_(True)
     elif mode == "lora":
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
+    for _, layer in mhla_layers(model):
+        if not layer.config.learnable_mixing:
+            layer.mixing.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise TrainError(f"train: {mode} selects no parameters in this model (no MHLA layers converted?)")

@@ -7,6 +7,7 @@ Every key is checked: an unknown or misspelt key, a wrong type or a value outsid
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -375,7 +376,47 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
             )
     if recipe.logging.every < 1:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
+    _check_optimizer(recipe, raw, ctx)
     _check_validation(recipe, raw, ctx)
+
+
+def _check_optimizer(recipe: Recipe, raw, ctx: _Ctx) -> None:
+    """Optimizer numbers that would train silently wrong (a negative clip flips the gradient, a NaN lr
+    poisons every weight) are refused; NaN fails every comparison, so `not (x > 0)` refuses it too."""
+    o = recipe.optimizer
+
+    def fail(key, path, problem):
+        return ctx.fail(key, _line(raw, *path), problem)
+
+    def positive_lr(key, path, lr):
+        if not (lr > 0 and math.isfinite(lr)):
+            raise fail(key, path, f"must be a finite number > 0 (e.g. 1.0e-4); got {lr}")
+
+    positive_lr("optimizer.lr", ("optimizer", "lr"), o.lr)
+    for i, stage in enumerate(recipe.stages):
+        if stage.lr is not None:
+            positive_lr(f"stages[{i}].lr", ("stages", i, "lr"), stage.lr)
+    if o.grad_clip is not None and not (o.grad_clip > 0 and math.isfinite(o.grad_clip)):
+        raise fail("optimizer.grad_clip", ("optimizer", "grad_clip"),
+                   f"must be a finite number > 0 (e.g. 1.0), or null for no clipping; got {o.grad_clip}")
+    if len(o.betas) != 2:
+        raise fail("optimizer.betas", ("optimizer", "betas"), f"give two numbers, e.g. [0.9, 0.999]; got {o.betas}")
+    for i, beta in enumerate(o.betas):
+        if not 0.0 <= beta < 1.0:
+            raise fail(f"optimizer.betas[{i}]", ("optimizer", "betas"),
+                       f"must be in [0, 1), e.g. [0.9, 0.999]; got {beta}")
+    if not (o.eps > 0 and math.isfinite(o.eps)):
+        raise fail("optimizer.eps", ("optimizer", "eps"), f"must be a finite number > 0 (e.g. 1.0e-8); got {o.eps}")
+    if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
+        raise fail("optimizer.weight_decay", ("optimizer", "weight_decay"),
+                   f"must be a finite number ≥ 0 (0 for none); got {o.weight_decay}")
+    if recipe.schedule.warmup_steps < 0:
+        raise fail("schedule.warmup_steps", ("schedule", "warmup_steps"),
+                   f"must be ≥ 0 (0 for no warmup); got {recipe.schedule.warmup_steps}")
+    shift = recipe.objective.flow_shift
+    if shift is not None and not (shift > 0 and math.isfinite(shift)):
+        raise fail("objective.flow_shift", ("objective", "flow_shift"),
+                   f"must be a finite number > 0 (e.g. 3.0), or null for the family's default; got {shift}")
 
 
 def _check_validation(recipe: Recipe, raw, ctx: _Ctx) -> None:

@@ -10,6 +10,7 @@ resumed run ends with the same weights as an uninterrupted one.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -74,6 +75,58 @@ def _refuse_unsupported_fsdp(acc, recipe: Recipe) -> None:
         )
 
 
+def _refuse_unhonoured_precision(acc, recipe: Recipe) -> None:
+    """Accelerate quietly trains in fp32 when the device cannot run the requested mixed precision
+    (fp16 on a CPU): say so before any model loads, instead of a run that is not what it claims."""
+    if recipe.precision == "no" or acc.native_amp:
+        return
+    if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return  # these engines run the precision themselves
+    raise TrainError(
+        f"precision: {recipe.precision} cannot run on this {acc.device.type} device (Accelerate would train in "
+        f'fp32); set precision: "no", or train on a GPU' + (" (or precision: bf16)" if acc.device.type == "cpu" else "")
+    )
+
+
+RUN_LENGTH_KEYS = re.compile(r"stages\[\d+\]\.steps|checkpoint_every|keep_checkpoints|logging\..*")
+
+
+def _leaves(value, prefix: str = "") -> dict:
+    """A recipe dict as {"optimizer.lr": 0.001, "stages[1].steps": 4, ...}."""
+    if isinstance(value, dict):
+        named = {(f"{prefix}.{key}" if prefix else key): sub for key, sub in value.items()}
+        return {k: v for name, sub in named.items() for k, v in _leaves(sub, name).items()}
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return {k: v for i, sub in enumerate(value) for k, v in _leaves(sub, f"{prefix}[{i}]").items()}
+    return {prefix: value}
+
+
+def _refuse_other_run(out: Path, recipe: Recipe, resume_from: checkpoints.Checkpoint) -> None:
+    """A checkpoint continues only the run that wrote it: the recipe may change its length (stages'
+    steps, checkpoint_every, keep_checkpoints, logging) but nothing that would train differently."""
+    if resume_from.step > recipe.total_steps:
+        raise TrainError(
+            f"{resume_from.path} is at step {resume_from.step}, beyond this recipe's {recipe.total_steps} steps: "
+            "lengthen the stages, or start afresh with a new --out"
+        )
+    saved_file = out / "recipe.yaml"
+    if not saved_file.is_file():
+        return
+    saved = _leaves(yaml.safe_load(saved_file.read_text()))
+    now = _leaves(yaml.safe_load(yaml.safe_dump(recipe.to_dict(), sort_keys=False)))
+    missing = "(absent)"
+    changed = [
+        f"{key}: {saved.get(key, missing)} -> {now.get(key, missing)}"
+        for key in dict.fromkeys([*saved, *now])
+        if not RUN_LENGTH_KEYS.fullmatch(key) and saved.get(key, missing) != now.get(key, missing)
+    ]
+    if changed:
+        raise TrainError(
+            f"{out} holds checkpoints of another recipe ({'; '.join(changed)}): resume with the same recipe "
+            "(only stages' steps, checkpoint_every, keep_checkpoints and logging may change), or use a new --out"
+        )
+
+
 def _full_state_into(wrapped, fresh) -> None:
     """Copy a sharded (FSDP) model's weights into an unwrapped model of the same structure, on every
     rank, one tensor at a time (collective: every rank calls it). FSDP2 parameters are DTensors whose
@@ -111,11 +164,14 @@ class Trainer:
             step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps, whatever the world size
         )
         acc = self.accelerator
+        _refuse_unhonoured_precision(acc, recipe)
         self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(
                 f"{self.out} already holds checkpoints; pick another --out, or resume from them (drop --no-resume)"
             )
+        if self.resume_from:
+            _refuse_other_run(self.out, recipe, self.resume_from)
         check_data_path(recipe.data)
         _refuse_unsupported_fsdp(acc, recipe)
         set_seed(recipe.seed)
@@ -276,12 +332,9 @@ class Trainer:
                 losses.append(loss.detach().float())
             loss = acc.gather(torch.stack(losses).mean()[None]).mean().item()
             if not math.isfinite(loss):
-                kept = checkpoints.latest(self.out, __version__)
-                raise TrainError(
-                    f"loss became {loss} at step {step + 1} ({stage.name}); stopped. "
-                    + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
-                    + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
-                )
+                raise self._diverged(f"loss became {loss}", step + 1, stage)
+            if not self._all_finite(params):
+                raise self._diverged("the trained weights became inf/NaN", step + 1, stage)
             scheduler.step()
             clamp_mixing_(model)
             step += 1
@@ -305,6 +358,25 @@ class Trainer:
                 break
         bar.close()
         return step
+
+    def _all_finite(self, params: list) -> bool:
+        """Whether every trained weight is finite on every process (one small gather a step); FSDP
+        parameters are checked shard by shard."""
+        from torch.distributed.tensor import DTensor
+
+        local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+        peaks = [t.float().abs().max() for t in local if t.numel()]
+        finite = torch.stack(peaks).isfinite().all() if peaks else torch.tensor(True)
+        return bool(self.accelerator.gather(finite.to(self.accelerator.device)[None]).all())
+
+    def _diverged(self, what: str, step: int, stage: StageSpec) -> TrainError:
+        """The run stops before anything (checkpoint, best or final model) is written from bad weights."""
+        kept = checkpoints.latest(self.out, __version__)
+        return TrainError(
+            f"{what} at step {step} ({stage.name}); stopped. "
+            + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
+            + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
+        )
 
     def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
         """Held-out loss (and samples) of the model as it stands (the transfer hooks, which hand the
