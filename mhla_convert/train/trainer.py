@@ -365,7 +365,7 @@ class Trainer:
         from torch.distributed.tensor import DTensor
 
         local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
-        peaks = [t.float().abs().max() for t in local if t.numel()]
+        peaks = [torch.linalg.vector_norm(t, float("inf")).float() for t in local if t.numel()]  # no weight copy
         finite = torch.stack(peaks).isfinite().all() if peaks else torch.tensor(True)
         return bool(self.accelerator.gather(finite.to(self.accelerator.device)[None]).all())
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .data import TensorData, build_dataset
@@ -93,10 +94,8 @@ class SampleWriter:
         except ValueError as exc:
             raise ValueError(f"validation: {exc}") from None
 
-    def write(self, model, step: int, device) -> "numpy.ndarray":  # noqa: F821
+    def write(self, model, step: int, device) -> np.ndarray:
         """Draw the samples, save them, and return the grid as an (H, W, 3) uint8 array."""
-        import numpy as np
-
         from ..evaluate.samples import draw_samples, sample_grid
 
         was_training = model.training
