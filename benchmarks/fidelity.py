@@ -94,7 +94,7 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
                sample_size=8, patch_size=1, num_embeds_ada_norm=10, norm_num_groups=1)
     return {
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
-                        finetune_lr=5e-4, conversion={"options": {"chunk_size": 64}}),
+                        finetune_lr=1e-4, conversion={"options": {"chunk_size": 64}}),
         "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
                          finetune_lr=5e-5, conversion={"blocks": "4x4"}),
     }
@@ -144,15 +144,19 @@ VARIANTS = {  # name -> (label, conversion section, whether the run starts with 
     "linear": ("plain linear attention", {"ratio": 1.0, "attention": "linear"}, True),
     "hybrid-spread": ("hybrid 50% spread", {"ratio": 0.5, "strategy": "spread"}, True),
     "hybrid-auto": ("hybrid 50% auto", {"ratio": 0.5, "strategy": "auto"}, True),
+    "mhla-no-exact": ("full MHLA, no exact chunks (LM)", {"ratio": 1.0, "options": {"exact_chunks": 0}}, True),
     "mhla-no-transfer": ("full MHLA, no transfer", {"ratio": 1.0}, False),
     "original": ("original, fine-tuned alike", {"ratio": 0.0}, False),
 }
+
+LM_ONLY = {"mhla-no-exact"}  # the paper's pure causal form; non-causal layers have no exact chunks
 
 
 def variant_conversion(mini: Miniature, section: dict) -> dict:
     out = {**section}
     if section["ratio"] > 0:
         out.update({k: v for k, v in mini.conversion.items() if not (k == "blocks" and section.get("attention"))})
+        out["options"] = {**mini.conversion.get("options", {}), **section.get("options", {})}
     return out
 
 
@@ -221,6 +225,8 @@ def bench(kind: str, mini: Miniature, args, root: Path) -> dict:
           f"{original:.4f}", flush=True)
     trained = str(root / kind / "base" / "best")
     for name in args.variants:
+        if kind != "lm" and name in LM_ONLY:
+            continue
         label, section, transfer = VARIANTS[name]
         stages = ([{"name": "attention_transfer", "steps": args.transfer_steps, "lr": args.transfer_lr}]
                   if transfer else [])

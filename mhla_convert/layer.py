@@ -15,8 +15,17 @@ import torch
 from torch import nn
 
 from .mixing import MixingInit, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
-from .ops import MHLAState, init_state, mhla_attention, mhla_recurrent_step
+from .ops import (
+    ExactLocalState,
+    MHLAState,
+    exact_local_step,
+    init_exact_state,
+    init_state,
+    mhla_attention,
+    mhla_recurrent_step,
+)
 from .ops.blocks import as_axes
+from .ops.feature_maps import drop_keys
 
 # (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
 # x (B, N, H·D) → (B, N, H, D) normed across heads and rotated in one pass (Wan's, ops.rotary.InterleavedRotary).
@@ -30,6 +39,8 @@ class MHLAConfig:
     blocks: blocks per token-grid axis (non-causal); M = prod(blocks).
     causal / chunk_size / window: causal layers split tokens into chunks of `chunk_size` and learn
         one mixing weight per chunk distance up to `window` (see mixing.py), so no length cap.
+    exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read with
+        the host's softmax kernel instead of linear summaries (ops.exact_local); < window; 0 = pure MHLA.
     rope: "before_feature_map" rotates q and k with the host's RoPE, then applies φ — the
         operator's exact semantics, weights stay non-negative; "none" ignores the host's RoPE.
     output_norm: per-head RMSNorm on the attention output (new parameters, weight 1).
@@ -39,6 +50,7 @@ class MHLAConfig:
     causal: bool = False
     chunk_size: int = 64
     window: int = 8
+    exact_chunks: int = 0
     feature_map: str = "relu"
     normalize: bool = True
     scale: float | None = None
@@ -57,6 +69,10 @@ class MHLAConfig:
             raise ValueError(f"rope must be 'before_feature_map' or 'none'; got {self.rope!r}")
         if self.chunk_size < 1 or self.window < 1:
             raise ValueError(f"chunk_size and window must be ≥ 1; got {self.chunk_size}, {self.window}")
+        if self.exact_chunks and not (self.causal and 0 < self.exact_chunks < self.window and self.normalize):
+            raise ValueError(
+                f"exact_chunks={self.exact_chunks} needs a causal, normalised layer and 0 ≤ exact_chunks < window "
+                f"(window={self.window}); use exact_chunks=0 or raise window")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -146,39 +162,51 @@ class MHLAttention(nn.Module):
         cfg = self.config
         return dict(feature_map=cfg.feature_map, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
 
-    def attend(self, q, k, v, grid=None) -> torch.Tensor:
-        """The operator on projected (B, N, H, D) tensors; `grid` is required when non-causal."""
+    def attend(self, q, k, v, grid=None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The operator on projected (B, N, H, D) tensors; `grid` is required when non-causal; `key_mask`
+        (B, N) bool marks real tokens (False: padding, which no query reads)."""
         cfg = self.config
         if cfg.causal:
             num_chunks = -(-q.shape[1] // cfg.chunk_size)
             mixing = toeplitz_causal_mixing(self.mixing, num_chunks)
             return mhla_attention(
-                q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, backend=cfg.backend, **self._op_options()
+                q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, exact_chunks=cfg.exact_chunks,
+                key_mask=key_mask, backend=cfg.backend, **self._op_options()
             )
         if grid is None:
             raise ValueError("a non-causal MHLA layer needs the token grid: forward(x, grid=(H, W)) or (T, H, W)")
         return mhla_attention(
-            q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, backend=cfg.backend, **self._op_options()
+            q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, key_mask=key_mask, backend=cfg.backend,
+            **self._op_options()
         )
 
-    def decode(self, q, k, v, state: MHLAState | None) -> tuple[torch.Tensor, MHLAState]:
+    def decode(
+        self, q, k, v, state: MHLAState | ExactLocalState | None, key_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, MHLAState | ExactLocalState]:
         """Causal attention that continues `state` (None: a fresh sequence) → output, new state.
 
         A fresh multi-token input runs the parallel form once and builds the state from it
-        (prefill); tokens after that go through the recurrent step, one at a time.
+        (prefill); tokens after that go through the recurrent step, one at a time. `key_mask`
+        (B, N) bool, False for padding (left padding of a prefill).
         """
         cfg = self.config
         if not cfg.causal:
             raise ValueError("decode() is for causal MHLA layers")
+        layout = dict(chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
         if state is None or state.position == 0:
-            out = self.attend(q, k, v)
-            return out, init_state(k, v, chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
+            out = self.attend(q, k, v, key_mask=key_mask)
+            if cfg.exact_chunks:
+                return out, init_exact_state(k, v, exact_chunks=cfg.exact_chunks, key_mask=key_mask, **layout)
+            return out, init_state(drop_keys(k, key_mask), v, **layout)
         outs = []
         for t in range(q.shape[1]):
-            o, state = mhla_recurrent_step(
-                state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], self.mixing, backend=cfg.backend,
-                **self._op_options(),
-            )
+            real = None if key_mask is None else key_mask[:, t : t + 1]
+            token = q[:, t : t + 1], drop_keys(k[:, t : t + 1], real), v[:, t : t + 1]
+            if cfg.exact_chunks:
+                o, state = exact_local_step(state, *token, self.mixing, feature_map=cfg.feature_map, scale=cfg.scale,
+                                            eps=cfg.eps, key_mask=real)
+            else:
+                o, state = mhla_recurrent_step(state, *token, self.mixing, backend=cfg.backend, **self._op_options())
             outs.append(o)
         return torch.cat(outs, dim=1), state
 

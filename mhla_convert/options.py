@@ -5,7 +5,7 @@ attention="mhla" (default): the family's block layout (non-causal) or chunk wind
     locality-initialised mixing.
 attention="linear": plain linear attention, the baseline MHLA improves on. One block per grid axis
     (M = 1) for non-causal families; one chunk-distance weight (window 1) for causal ones, which
-    gives every earlier chunk the same weight, i.e. causal linear attention. A single mixing weight
+    gives every earlier chunk the same weight, i.e. causal linear attention (no exact chunks). A single mixing weight
     cancels out of the normalised output, so no other option changes.
 """
 
@@ -32,10 +32,11 @@ def parse_blocks(blocks) -> tuple[int, ...] | None:
 def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int, ...] | None, dict]:
     """blocks and options for attention='linear', refusing explicit settings that contradict it."""
     if adapter.causal:
-        if options.get("window", 1) != 1:
-            raise ValueError(
-                f"attention='linear' is MHLA with window 1; drop window={options['window']} or use attention='mhla'")
-        return blocks, {**options, "window": 1, "mixing_init": options.get("mixing_init", "uniform")}
+        for name, value in (("window", 1), ("exact_chunks", 0)):
+            if options.get(name, value) != value:
+                raise ValueError(f"attention='linear' is MHLA with window 1 and no exact chunks; drop "
+                                 f"{name}={options[name]} or use attention='mhla'")
+        return blocks, {**options, "window": 1, "exact_chunks": 0, "mixing_init": options.get("mixing_init", "uniform")}
     ones = (1,) * len(adapter.default_blocks(model))
     if blocks is not None and tuple(blocks) != ones:
         raise ValueError(

@@ -70,7 +70,9 @@ def test_layer_equals_explicit_reference_and_host_projection(family):
 
     q, k, v = attn.project(x, lambda q, k: apply_rotary(q, k, cos, sin))
     ref = attn.output(mhla_attention_reference(
-        q, k, v, toeplitz_causal_mixing(attn.mixing, -(-37 // C)), causal=True, chunk_size=C))
+        q, k, v, toeplitz_causal_mixing(attn.mixing, -(-37 // C)), causal=True, chunk_size=C,
+        exact_chunks=attn.config.exact_chunks))
+    assert attn.config.exact_chunks == 2  # the LM default: the nearest chunks read exactly
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
 
     # q and k are the host's, after its own RoPE (its (B, H, N, D) layout)

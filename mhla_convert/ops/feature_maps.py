@@ -27,3 +27,9 @@ def resolve_feature_map(feature_map: FeatureMap) -> Callable[[torch.Tensor], tor
         raise ValueError(
             f"feature_map must be one of {sorted(FEATURE_MAPS)} or a callable; got {feature_map!r}"
         ) from None
+
+
+def drop_keys(k: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """k (B, N, H, D) with the keys where `key_mask` (B, N) is False (padding) set to the dtype's lowest
+    value, which every built-in feature map sends to 0: they add nothing to any summary."""
+    return k if key_mask is None else k.masked_fill(~key_mask[:, :, None, None], torch.finfo(k.dtype).min)

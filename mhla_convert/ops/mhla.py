@@ -20,7 +20,8 @@ import torch
 
 from .blocks import BlockLayout, as_axes
 from .dispatch import select
-from .feature_maps import FeatureMap, resolve_feature_map
+from .exact_local import mhla_attention_exact_local_torch
+from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -68,7 +69,8 @@ def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> B
 def mhla_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, *, grid=None, blocks=None,
     causal: bool = False, chunk_size: int | None = None, feature_map: FeatureMap = "relu", normalize: bool = True,
-    scale: float | None = None, eps: float = 1e-6, backend: Backend = "auto",
+    scale: float | None = None, eps: float = 1e-6, exact_chunks: int = 0, key_mask: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Multi-Head Linear Attention.
 
@@ -86,6 +88,10 @@ def mhla_attention(
         feature_map: "relu", "elu" (elu + 1) or a callable.
         normalize: divide by Σ_s w_ts + eps; False returns the numerator alone.
         scale: multiplies φ(q)·φ(k); default D ** -0.5.
+        exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read
+            with the softmax kernel exp(q·k / √D) instead of φ(q)·φ(k) (`ops.exact_local`); 0 = pure MHLA.
+            Always normalised; torch backend.
+        key_mask: (B, N) bool, False for padding: those keys get weight 0 (built-in feature maps).
         backend: "torch", "triton" or "auto" (fastest available for these inputs).
 
     Returns (B, N, H, D_v) in q's dtype; accumulation is float32 for half-precision inputs.
@@ -93,6 +99,15 @@ def mhla_attention(
     layout = check_inputs(q, k, v, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if key_mask is not None and (key_mask.shape != q.shape[:2] or key_mask.dtype != torch.bool):
+        raise ValueError(f"key_mask must be a (B, N) = {tuple(q.shape[:2])} bool tensor; got {key_mask.dtype} "
+                         f"{tuple(key_mask.shape)}")
+    if exact_chunks:
+        if not causal or not normalize or exact_chunks < 0:
+            raise ValueError(f"exact_chunks={exact_chunks} needs causal=True, normalize=True and a count ≥ 0")
+        return mhla_attention_exact_local_torch(
+            q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
+    k = drop_keys(k, key_mask)
     impl = select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal, phi=phi)
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
 

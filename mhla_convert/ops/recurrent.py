@@ -100,11 +100,19 @@ def mhla_recurrent_step(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     impl = select("step", backend, step_torch, state, q, k, v, relative, phi=phi)
     out, cur_s, cur_z = impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
-    return out, _advance(state, cur_s, cur_z)
+    return out, advance(state, cur_s, cur_z)
 
 
 def step_torch(state: MHLAState, q, k, v, relative, *, phi, normalize: bool, scale: float, eps: float):
     """The torch step: (output (B, 1, H, Dv) in q's dtype, new open-chunk summary and z), new tensors."""
+    num, den, cur_s, cur_z = step_terms(state, q, k, v, relative, phi=phi, scale=scale)
+    out = num / (den + eps) if normalize else num
+    return out.reshape(q.shape[0], 1, q.shape[2], -1).to(q.dtype), cur_s, cur_z
+
+
+def step_terms(state: MHLAState, q, k, v, relative, *, phi, scale: float):
+    """One token's unnormalised read: numerator (B, H_kv, g, 1, Dv), denominator (B, H_kv, g, 1, 1), both in
+    the state's dtype, and the open chunk's new summary and z."""
     batch, _, heads, dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
@@ -124,14 +132,12 @@ def step_torch(state: MHLAState, q, k, v, relative, *, phi, normalize: bool, sca
         return past + w_far * far.flatten(2).unsqueeze(2) + w_self * cur.flatten(2).unsqueeze(2)
 
     fq = (phi(q[:, 0].to(acc)) * scale).view(batch, kv_heads, groups, 1, dim)
-    out = (fq @ mixed(state.recent_s, state.far_s, cur_s).unflatten(-1, (dim, -1))).squeeze(-2)
-    if normalize:
-        den = (fq @ mixed(state.recent_z, state.far_z, cur_z).unsqueeze(-1)).squeeze(-2)
-        out = out / (den + eps)
-    return out.reshape(batch, 1, heads, -1).to(q.dtype), cur_s, cur_z
+    num = fq @ mixed(state.recent_s, state.far_s, cur_s).unflatten(-1, (dim, -1))
+    den = fq @ mixed(state.recent_z, state.far_z, cur_z).unsqueeze(-1)
+    return num, den, cur_s, cur_z
 
 
-def _advance(state: MHLAState, cur_s: torch.Tensor, cur_z: torch.Tensor) -> MHLAState:
+def advance(state: MHLAState, cur_s: torch.Tensor, cur_z: torch.Tensor) -> MHLAState:
     """The state after one token whose open chunk is now (cur_s, cur_z): closes the chunk when complete."""
     position = state.position + 1
     recent_s, recent_z, far_s, far_z = state.recent_s, state.recent_z, state.far_s, state.far_z

@@ -1,0 +1,165 @@
+"""Causal MHLA whose nearest chunks are read exactly: the softmax kernel within the local window.
+
+With `exact_chunks = L > 0`, a query in chunk i weighs a key in chunk j by
+
+    w_ts = m_ij · exp(q_t·k_s / √D)            if i − j < L   (its own chunk and the L − 1 before it)
+    w_ts = m_ij · scale · φ(q_t)·φ(k_s)        otherwise      (the key–value summaries, as in plain MHLA)
+
+and normalises as MHLA does: o_t = Σ_s w_ts v_s / (Σ_s w_ts + eps). The exact kernel is the host's own
+softmax attention, so the local window — what a converted LM leans on most, exact copying of nearby
+tokens — stays the original's while older context costs O(d²) per chunk. The mixing weights still
+scale every chunk, so they learn how much the summaries count against the window.
+
+Decoding keeps the usual recurrent summaries of every closed chunk (`MHLAState`) plus the raw keys and
+values of the window — at most `exact_chunks · chunk_size` tokens, whatever the sequence length.
+
+Exponentials are taken after subtracting each row's largest window score (at least 0), with the
+linear terms and eps scaled by the same factor: the result is the formula above, without overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import BlockLayout
+from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
+from .recurrent import MHLAState, advance, init_state, step_terms
+
+
+def _grouped(x: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """(M, M) → (1, 1, M, M); (H, M, M) → (H_kv, g, M, M)."""
+    return x.view(1, 1, *x.shape) if x.dim() == 2 else x.view(kv_heads, groups, *x.shape[-2:])
+
+
+def _window(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """(B, H, M, T, X) → (B, H, M, chunks·T, X): for chunk i, chunks i − chunks + 1 … i (zeros before 0)."""
+    m = x.shape[2]
+    padded = F.pad(x, (0, 0, 0, 0, chunks - 1, 0))
+    return torch.cat([padded[:, :, d : d + m] for d in range(chunks)], dim=-2)
+
+
+def window_weights(mix: torch.Tensor, chunks: int, tokens: int) -> torch.Tensor:
+    """(…, M, M) mixing → (…, M, 1, chunks·T): m_{i, i−δ} for each key of the window, 0 before chunk 0."""
+    m = mix.shape[-1]
+    diagonals = (mix.diagonal(-delta, -2, -1) for delta in range(chunks - 1, -1, -1))
+    per_chunk = [F.pad(d, (m - d.shape[-1], 0)) for d in diagonals]
+    return torch.stack(per_chunk, -1).repeat_interleave(tokens, -1).unsqueeze(-2)
+
+
+def mhla_attention_exact_local_torch(
+    q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, phi, scale, eps, key_mask=None
+):
+    """Chunkwise causal MHLA with the last `exact_chunks` chunks read by the softmax kernel (module doc);
+    `key_mask` (B, N) bool marks real keys (False: padding, weight 0)."""
+    batch, _, heads, dim = q.shape
+    kv_heads, groups, dv = k.shape[2], heads // k.shape[2], v.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    m, t = layout.num_blocks, layout.tokens_per_block
+    mix = _grouped(mixing.to(acc), kv_heads, groups)
+
+    # far chunks (distance ≥ L): mixed key–value summaries, as in plain MHLA
+    qf = layout.to_blocks(phi(q.to(acc)) * scale).view(batch, kv_heads, groups, m, t, -1)
+    kf = layout.to_blocks(phi(drop_keys(k, key_mask).to(acc))).unsqueeze(2)
+    vb = layout.to_blocks(v.to(acc))  # (B, H_kv, M, T, Dv)
+    far = mix.tril(-exact_chunks)
+    s = kf.transpose(-1, -2) @ vb.unsqueeze(2)
+    num = qf @ torch.matmul(far, s.flatten(-2)).unflatten(-1, s.shape[-2:])  # (B, H_kv, g, M, T, Dv)
+    den = qf @ torch.matmul(far, kf.sum(-2)).unsqueeze(-1)  # (B, H_kv, g, M, T, 1)
+
+    # window chunks (distance < L): the softmax kernel, causal within the query's own chunk
+    qr = layout.to_blocks(q.to(acc)).view(batch, kv_heads, groups, m, t, -1) * dim**-0.5
+    kw = _window(layout.to_blocks(k.to(acc)), exact_chunks).unsqueeze(2)  # (B, H_kv, 1, M, L·T, D)
+    vw = _window(vb, exact_chunks).unsqueeze(2)
+    scores = qr @ kw.transpose(-1, -2)  # (B, H_kv, g, M, T, L·T)
+    causal = torch.ones(t, exact_chunks * t, dtype=torch.bool, device=q.device).tril((exact_chunks - 1) * t)
+    weights = window_weights(mix, exact_chunks, t)  # (·, ·, M, 1, L·T)
+    allowed = causal & (weights > 0)
+    if key_mask is not None:
+        real = _window(layout.to_blocks(key_mask[:, :, None, None].to(acc)), exact_chunks)  # (B, 1, M, L·T, 1)
+        allowed = allowed & (real.view(batch, 1, 1, m, 1, -1) > 0)
+    shift = scores.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).clamp_min(0).detach()
+    a = torch.exp((scores - shift).masked_fill(~allowed, float("-inf"))) * weights
+    decay = torch.exp(-shift)
+    out = (num * decay + a @ vw) / (den * decay + a.sum(-1, keepdim=True) + eps * decay)
+    return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
+
+
+@dataclass
+class ExactLocalState:
+    """Decoding state of a layer with exact local chunks: summaries of all closed chunks, the window's keys and
+    values (B, ≤ L·C, H_kv, D / Dv; the tokens of the current chunk and the L − 1 before it)."""
+
+    summaries: MHLAState
+    keys: torch.Tensor
+    values: torch.Tensor
+    real: torch.Tensor  # (B, window tokens) bool: False for padding
+    exact_chunks: int
+
+    @property
+    def position(self) -> int:
+        return self.summaries.position
+
+    def nbytes(self) -> int:
+        tensors = (self.keys, self.values, self.real)
+        return self.summaries.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
+
+    def map(self, fn) -> "ExactLocalState":
+        """Apply fn to every tensor (device moves, beam reordering)."""
+        return ExactLocalState(self.summaries.map(fn), fn(self.keys), fn(self.values), fn(self.real), self.exact_chunks)
+
+
+def _window_start(position: int, chunk_size: int, exact_chunks: int) -> int:
+    """First token of the window of the chunk that the token at `position` falls in."""
+    return max((position // chunk_size - exact_chunks + 1) * chunk_size, 0)
+
+
+def init_exact_state(
+    k, v, *, chunk_size: int, window: int, exact_chunks: int, feature_map: FeatureMap = "relu", key_mask=None
+):
+    """State after the prefix k, v (B, L, H_kv, D / Dv); `key_mask` (B, L) bool, False for padding."""
+    start = _window_start(k.shape[1], chunk_size, exact_chunks)
+    summaries = init_state(drop_keys(k, key_mask), v, chunk_size=chunk_size, window=window, feature_map=feature_map)
+    real = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+    return ExactLocalState(summaries, k[:, start:], v[:, start:], real[:, start:], exact_chunks)
+
+
+def exact_local_step(state: ExactLocalState, q, k, v, relative, *, feature_map: FeatureMap = "relu",
+                     scale: float | None = None, eps: float = 1e-6, key_mask=None):
+    """One token (q (B, 1, H, D), k, v (B, 1, H_kv, ·), relative (W,) or (H, W)) → output (B, 1, H, Dv), new state.
+    `key_mask` (B, 1) bool: False when the token is padding (its k must then be `drop_keys`' fill).
+
+    Equals the last row of `mhla_attention(..., causal=True, chunk_size=C, exact_chunks=L)`."""
+    summaries, chunks = state.summaries, state.exact_chunks
+    batch, _, heads, dim = q.shape
+    kv_heads, groups = k.shape[2], heads // k.shape[2]
+    chunk_size, position = summaries.chunk_size, summaries.position
+    phi = resolve_feature_map(feature_map)
+    scale = dim**-0.5 if scale is None else scale
+    acc = summaries.cur_s.dtype
+
+    far = relative * (torch.arange(relative.shape[-1], device=relative.device) >= chunks)
+    num, den, cur_s, cur_z = step_terms(summaries, q, k, v, far, phi=phi, scale=scale)
+
+    keys, values = torch.cat([state.keys, k], 1), torch.cat([state.values, v], 1)
+    real = torch.cat([state.real, state.real.new_ones(batch, 1) if key_mask is None else key_mask], 1)
+    first = position + 1 - keys.shape[1]
+    distance = position // chunk_size - torch.arange(first, position + 1, device=q.device) // chunk_size
+    rel = relative.to(acc).view(1, 1, -1) if relative.dim() == 1 else relative.to(acc).view(kv_heads, groups, -1)
+    weights = rel[..., distance].unsqueeze(-2)  # (·, ·, 1, window tokens)
+    qr = q[:, 0].to(acc).view(batch, kv_heads, groups, 1, dim) * dim**-0.5
+    scores = qr @ keys.to(acc).permute(0, 2, 3, 1).unsqueeze(2)  # (B, H_kv, g, 1, window tokens)
+    allowed = (weights > 0) & real[:, None, None, None, :]
+    shift = scores.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).clamp_min(0)
+    a = torch.exp((scores - shift).masked_fill(~allowed, float("-inf"))) * weights
+    decay = torch.exp(-shift)
+    out = (num * decay + a @ values.to(acc).transpose(1, 2).unsqueeze(2)) / (
+        den * decay + a.sum(-1, keepdim=True) + eps * decay)
+
+    if (position + 1) % chunk_size == 0:  # the chunk closes: the window moves on by one chunk
+        start = _window_start(position + 1, chunk_size, chunks)
+        keys, values, real = keys[:, start - first :], values[:, start - first :], real[:, start - first :]
+    new = ExactLocalState(advance(summaries, cur_s, cur_z), keys, values, real, chunks)
+    return out.reshape(batch, 1, heads, -1).to(q.dtype), new
