@@ -104,3 +104,46 @@ def test_validation_samples_in_run_dir_and_tensorboard(tmp_path):
 def test_validation_samples_refused_for_language_models():
     with pytest.raises(Exception, match="validation.num_samples"):
         Trainer(_recipe("validation={split: 0.25, num_samples: 2}"), "/nonexistent/run", log=lambda *_: None)
+
+
+def _transfer_run(tmp_path, monkeypatch, losses, name="run", stop_after=None, start=0):
+    """A transfer-only run validated every 2 steps whose held-out losses follow `losses` by step; returns the
+    trainer and the trained weights seen at each validation."""
+    seen = {}
+
+    def scripted(self, model, **kw):
+        step = start + len(seen) * 2
+        seen[step] = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        return losses[step]
+
+    monkeypatch.setattr(HeldOut, "loss", scripted)
+    recipe = _recipe("stages=[{name: attention_transfer, steps: 6, lr: 0.01}]", "validation={split: 0.25, every: 2}",
+                     "checkpoint_every=2")
+    trainer = Trainer(recipe, tmp_path / name, log=lambda *_: None)
+    trainer.run(stop_after=stop_after)
+    return trainer, seen
+
+
+def test_transfer_that_ends_above_its_best_goes_back_to_it(tmp_path, monkeypatch):
+    trainer, seen = _transfer_run(tmp_path, monkeypatch, {0: 5.0, 2: 3.0, 4: 4.0, 6: 4.5})
+    final = [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(final, seen[2]))
+    assert not all(torch.equal(a, b) for a, b in zip(seen[6], seen[2]))  # the run did move past step 2
+    last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert last["step"] == 6 and last["validation_loss"] == 3.0 and last["restored_step"] == 2
+
+
+def test_transfer_that_ends_at_its_best_keeps_its_weights(tmp_path, monkeypatch):
+    trainer, seen = _transfer_run(tmp_path, monkeypatch, {0: 5.0, 2: 3.0, 4: 2.0, 6: 1.0})
+    final = [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(final, seen[6]))
+    assert "restored_step" not in read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+
+
+def test_stage_best_survives_a_resume(tmp_path, monkeypatch):
+    losses = {0: 5.0, 2: 3.0, 4: 4.0, 6: 4.5}
+    whole, _ = _transfer_run(tmp_path, monkeypatch, losses, "whole")
+    _transfer_run(tmp_path, monkeypatch, losses, "cut", stop_after=4)  # "killed" after the step-4 checkpoint
+    resumed, _ = _transfer_run(tmp_path, monkeypatch, losses, "cut", start=6)  # resumes at step 4
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)

@@ -32,7 +32,7 @@ from .metrics import MetricsFile
 from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
-from .validation import BEST_DIR, BestModel, HeldOut, SampleWriter, heldout_dataset, split_off
+from .validation import BEST_DIR, BestModel, HeldOut, SampleWriter, StageBest, heldout_dataset, split_off
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -187,6 +187,8 @@ class Trainer:
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
                                          components=recipe.data.components or base)
         self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
+        self.stage_best, self.watched = StageBest(), None
+        acc.register_for_checkpointing(self.stage_best)
         self.samples = self._sample_writer(model, recipe.data.components or base)
         self.model, self.sharded = model, False
         self.dtype = next(model.parameters()).dtype
@@ -263,6 +265,10 @@ class Trainer:
         self.sharded = acc.distributed_type == DistributedType.FSDP
         params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded parameters
         step = begin
+        self.stage_best.reset()
+        # a transfer stage that ends above its best held-out loss goes back to that best (StageBest)
+        watched = stage.name == "attention_transfer" and self.heldout is not None and not self.sharded
+        self.watched = (params, end) if watched else None
         if self.resume_from and begin < self.resume_from.step <= end:
             acc.load_state(str(self.resume_from.path))
             step = self.resume_from.step
@@ -407,6 +413,19 @@ class Trainer:
                 self._save_model(directory, merge_lora=True)
             if acc.is_main_process:
                 self.best.note(step, stage, loss, directory)
+        if self.watched is not None:
+            self._back_to_stage_best(step, stage, loss)
+
+    def _back_to_stage_best(self, step: int, stage: str, loss: float) -> None:
+        params, end = self.watched
+        self.stage_best.offer(step, loss, params)
+        if step == end and self.stage_best.loss < loss:
+            self.stage_best.restore(params)
+            if self.accelerator.is_main_process:
+                best, at = self.stage_best.loss, self.stage_best.step
+                self.metrics.write({"step": step, "stage": stage, "validation_loss": best, "restored_step": at})
+                self.log(f"{stage} ended at validation loss {loss:.6g}, above its best {best:.6g} (step {at}): "
+                         f"the trained weights go back to step {at}")
 
     def _save_model(self, target: Path, *, merge_lora: bool) -> None:
         """Save the full model to `target` from the main process (collective under FSDP). A LoRA

@@ -132,3 +132,35 @@ class BestModel:
         where = f" ({self.record['model']})" if self.record.get("model") else ""
         best = f"best validation loss {self.record['loss']:.6g}"
         return f"{best} at step {self.record['step']} ({self.record['stage']}){where}"
+
+
+class StageBest:
+    """The trained weights at the lowest held-out loss within one stage.
+
+    Attention transfer fits a surrogate (each layer's output against its original's), which can move the
+    model's own held-out loss up — plain linear attention on an LM does. A transfer stage that ends above
+    its best goes back to the weights of that best. Registered with Accelerate's checkpointing, so a
+    resumed run holds the same copy as an uninterrupted one.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.step, self.weights = math.inf, None, None
+
+    def offer(self, step: int, loss: float, params: list) -> None:
+        if math.isfinite(loss) and loss < self.loss:
+            self.loss, self.step = loss, step
+            self.weights = [p.detach().to("cpu", copy=True) for p in params]
+
+    @torch.no_grad()
+    def restore(self, params: list) -> None:
+        for param, weight in zip(params, self.weights, strict=True):
+            param.copy_(weight)
+
+    def state_dict(self) -> dict:
+        return {"loss": self.loss, "step": self.step, "weights": self.weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss, self.step, self.weights = state["loss"], state["step"], state["weights"]
