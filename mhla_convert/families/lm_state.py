@@ -15,8 +15,8 @@ speculative decoding):
 
 so any rollback that stays within the open chunk and the one before it — at least C tokens — is
 rebuilt exactly: the summaries come back from the copy, the open chunk is re-summed from the
-ring. Rolling back further raises. Memory: about twice the state itself, 4·C·H_kv·(D + D_v)
-key/value numbers in the model dtype on top of the (2W − 1) summaries.
+ring. Rolling back further raises. Memory: 2W − 1 summaries instead of W, plus 2·C·H_kv·(D + D_v)
+key/value numbers in the model dtype, per row.
 """
 
 from __future__ import annotations
