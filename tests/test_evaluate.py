@@ -25,15 +25,16 @@ LM = dict(batch_size=2, num_batches=2, data_options={"context_length": 32}, pass
 DIFFUSION = dict(batch_size=2, num_batches=1, timesteps=4, samples=False)
 
 
-def converted(name: str) -> nn.Module:
+def converted(name: str, **options) -> nn.Module:
     model = tiny_model(name)
-    convert(model)
+    convert(model, **options)
     return model
 
 
 @pytest.fixture(scope="module")
 def llama_pair():
-    return converted("tiny-llama"), tiny_model("tiny-llama")
+    # chunks of 8: a 32-token context spans more than the exact window of 2 chunks (within it, MHLA is the original)
+    return converted("tiny-llama", chunk_size=8), tiny_model("tiny-llama")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 `model.model.layers[i].self_attn` becomes an `MHLALlamaAttention` that keeps the host's call
 signature and return value, so the decoder layer runs unchanged. The host's q/k/v/o projections
 (Qwen2: with biases) and Qwen3's per-head q/k RMSNorms move in as they are; only `mixing` is new.
-Decoding keeps a fixed-size recurrent state in the generation cache (see lm_cache.py).
+Decoding keeps a fixed-size recurrent state in the generation cache, dynamic or static (lm_cache.py).
 """
 
 from __future__ import annotations
@@ -35,19 +35,24 @@ def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
 
     The decoder layer gets the mask already expanded: 2-D (B, KV) for flash attention, or 4-D
     (B, 1, n, KV), bool (True = attend) or additive float (0 = attend). A token is real iff it may
-    attend to itself, the diagonal of its last n key columns.
+    attend to itself. Where its own key column sits depends on the cache layer that sized the mask
+    (dynamic, static, sliding window), but it is always the last column its row attends to and it
+    moves one column per query row: so the real tokens are the rows whose last attended column is
+    the furthest one found, for that row, over the batch. (This needs one real token per call.)
     """
     if not isinstance(attention_mask, torch.Tensor):
         return None
     if attention_mask.dim() == 2:
-        real = attention_mask[:, -n:].bool()
-    elif attention_mask.dim() == 4 and attention_mask.shape[-2] == n:
-        idx = torch.arange(n, device=attention_mask.device)
-        diag = attention_mask[:, 0, idx, attention_mask.shape[-1] - n + idx]
-        real = diag if diag.dtype == torch.bool else diag == 0
-    else:
+        return attention_mask[:, -n:].bool()
+    if attention_mask.dim() != 4 or attention_mask.shape[-2] != n:
         return None
-    return real
+    allowed = attention_mask[:, 0]
+    allowed = allowed if allowed.dtype == torch.bool else allowed == 0  # (B, n, KV)
+    kv = allowed.shape[-1]
+    last = torch.where(allowed.any(-1), kv - 1 - allowed.flip(-1).to(torch.uint8).argmax(-1), -1)  # (B, n)
+    rows = torch.arange(n, device=last.device)
+    own = (last - rows).amax() + rows
+    return (last == own) & (last >= 0)
 
 
 class MHLALlamaAttention(MHLAttention):
@@ -79,13 +84,33 @@ class MHLALlamaAttention(MHLAttention):
         past_key_values = cache if cache is not None else past_key_values
         cos, sin = position_embeddings
         q, k, v = self.project(hidden_states, lambda q, k: apply_rotary(q, k, cos, sin))
-        real = _real_tokens(attention_mask, q.shape[1])  # padding: no query reads it
+        real = _real_tokens(attention_mask, q.shape[1])  # padding: packed behind the real tokens
         if past_key_values is None:
-            out = self.attend(q, k, v, key_mask=real)
-        else:
-            slot = mhla_cache_layer(past_key_values, self.layer_idx)
-            out, slot.state = self.decode(q, k, v, slot.state, key_mask=real)
+            return self.output(self.attend_real(q, k, v, real)[0]), None
+        slot = mhla_cache_layer(past_key_values, self.layer_idx)
+        if slot.has_state:
+            out = slot.decode(q, k, v, real, self.mixing, self.config)
+        else:  # the prompt
+            out, k, v, lengths = self.attend_real(q, k, v, real)
+            slot.prefill(k, v, lengths, self.config, tokens=q.shape[1])
         return self.output(out), None
+
+    def attend_real(self, q, k, v, real: torch.Tensor | None):
+        """The parallel causal form over each row's real tokens alone: padding anywhere in a row
+        (left padding in batched generation) moves behind them, so chunk boundaries count real
+        tokens only and a padded row gives what it gives unpadded. → output in the input order,
+        and k, v (B, N, H_kv, ·) packed as attended, with each row's number of real tokens."""
+        if real is None:
+            return self.attend(q, k, v), k, v, torch.full(q.shape[:1], q.shape[1], device=q.device)
+        order = torch.argsort((~real).to(torch.int32), dim=1, stable=True)  # real tokens first, in order
+
+        def packed(t):
+            return t.gather(1, order[:, :, None, None].expand_as(t))
+
+        k, v = packed(k), packed(v)
+        out = self.attend(packed(q), k, v)
+        out = torch.empty_like(out).scatter_(1, order[:, :, None, None].expand_as(out), out)
+        return out, k, v, real.sum(1)
 
 
 HUB = {

@@ -49,6 +49,16 @@ def window_weights(mix: torch.Tensor, chunks: int, tokens: int) -> torch.Tensor:
     return torch.stack(per_chunk, -1).repeat_interleave(tokens, -1).unsqueeze(-2)
 
 
+def read_window(num, den, q, keys, values, weights, allowed, *, eps: float) -> torch.Tensor:
+    """Linear reads (num (…, T, Dv), den (…, T, 1)) plus the softmax kernel over window keys, normalised:
+    q (…, T, D); keys (…, K, D), values (…, K, Dv), weights and `allowed` (bool) broadcastable to (…, T, K)."""
+    scores = (q * q.shape[-1] ** -0.5) @ keys.transpose(-1, -2)
+    shift = scores.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).clamp_min(0).detach()
+    a = torch.exp((scores - shift).masked_fill(~allowed, float("-inf"))) * weights
+    decay = torch.exp(-shift)
+    return (num * decay + a @ values) / (den * decay + a.sum(-1, keepdim=True) + eps * decay)
+
+
 def mhla_attention_exact_local_torch(
     q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, phi, scale, eps, key_mask=None
 ):
@@ -70,20 +80,16 @@ def mhla_attention_exact_local_torch(
     den = qf @ torch.matmul(far, kf.sum(-2)).unsqueeze(-1)  # (B, H_kv, g, M, T, 1)
 
     # window chunks (distance < L): the softmax kernel, causal within the query's own chunk
-    qr = layout.to_blocks(q.to(acc)).view(batch, kv_heads, groups, m, t, -1) * dim**-0.5
+    qr = layout.to_blocks(q.to(acc)).view(batch, kv_heads, groups, m, t, -1)
     kw = _window(layout.to_blocks(k.to(acc)), exact_chunks).unsqueeze(2)  # (B, H_kv, 1, M, L·T, D)
     vw = _window(vb, exact_chunks).unsqueeze(2)
-    scores = qr @ kw.transpose(-1, -2)  # (B, H_kv, g, M, T, L·T)
     causal = torch.ones(t, exact_chunks * t, dtype=torch.bool, device=q.device).tril((exact_chunks - 1) * t)
     weights = window_weights(mix, exact_chunks, t)  # (·, ·, M, 1, L·T)
     allowed = causal & (weights > 0)
     if key_mask is not None:
         real = _window(layout.to_blocks(key_mask[:, :, None, None].to(acc)), exact_chunks)  # (B, 1, M, L·T, 1)
         allowed = allowed & (real.view(batch, 1, 1, m, 1, -1) > 0)
-    shift = scores.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).clamp_min(0).detach()
-    a = torch.exp((scores - shift).masked_fill(~allowed, float("-inf"))) * weights
-    decay = torch.exp(-shift)
-    out = (num * decay + a @ vw) / (den * decay + a.sum(-1, keepdim=True) + eps * decay)
+    out = read_window(num, den, qr, kw, vw, weights, allowed, eps=eps)
     return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
 
 
@@ -109,6 +115,16 @@ class ExactLocalState:
     def map(self, fn) -> "ExactLocalState":
         """Apply fn to every tensor (device moves, beam reordering)."""
         return ExactLocalState(self.summaries.map(fn), fn(self.keys), fn(self.values), fn(self.real), self.exact_chunks)
+
+
+def window_relative(relative: torch.Tensor, distance: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """Relative mixing (W,) or (H, W) read at chunk distances `distance` (…, K) → (·, ·, ·, 1, K): m for every
+    window key, broadcastable against (B, H_kv, g, 1, K)."""
+    rel = relative.view(1, 1, -1) if relative.dim() == 1 else relative.view(kv_heads, groups, -1)
+    picked = rel[..., distance]  # (·, ·, *distance.shape)
+    if distance.dim() == 1:
+        return picked[None, :, :, None, :]
+    return picked.permute(2, 0, 1, 3).unsqueeze(-2)
 
 
 def _window_start(position: int, chunk_size: int, exact_chunks: int) -> int:
@@ -147,16 +163,11 @@ def exact_local_step(state: ExactLocalState, q, k, v, relative, *, feature_map: 
     real = torch.cat([state.real, state.real.new_ones(batch, 1) if key_mask is None else key_mask], 1)
     first = position + 1 - keys.shape[1]
     distance = position // chunk_size - torch.arange(first, position + 1, device=q.device) // chunk_size
-    rel = relative.to(acc).view(1, 1, -1) if relative.dim() == 1 else relative.to(acc).view(kv_heads, groups, -1)
-    weights = rel[..., distance].unsqueeze(-2)  # (·, ·, 1, window tokens)
-    qr = q[:, 0].to(acc).view(batch, kv_heads, groups, 1, dim) * dim**-0.5
-    scores = qr @ keys.to(acc).permute(0, 2, 3, 1).unsqueeze(2)  # (B, H_kv, g, 1, window tokens)
+    weights = window_relative(relative.to(acc), distance, kv_heads, groups)  # (·, ·, ·, 1, window tokens)
+    qr = q[:, 0].to(acc).view(batch, kv_heads, groups, 1, dim)
+    keys_, values_ = (t.to(acc).transpose(1, 2).unsqueeze(2) for t in (keys, values))  # (B, H_kv, 1, K, ·)
     allowed = (weights > 0) & real[:, None, None, None, :]
-    shift = scores.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).clamp_min(0)
-    a = torch.exp((scores - shift).masked_fill(~allowed, float("-inf"))) * weights
-    decay = torch.exp(-shift)
-    out = (num * decay + a @ values.to(acc).transpose(1, 2).unsqueeze(2)) / (
-        den * decay + a.sum(-1, keepdim=True) + eps * decay)
+    out = read_window(num, den, qr, keys_, values_, weights, allowed, eps=eps)
 
     if (position + 1) % chunk_size == 0:  # the chunk closes: the window moves on by one chunk
         start = _window_start(position + 1, chunk_size, chunks)

@@ -1,0 +1,242 @@
+"""The decoding state of one causal MHLA layer of an LM: fixed-shape tensors, updated in place.
+
+Each row of the batch is at its own position (the number of real tokens it has consumed), so
+left-padded rows chunk their tokens exactly as they would alone. Every tensor is allocated once,
+at the prompt, and every later token changes it in place without Python-side branching (chunk
+closes are `torch.where` per row): the same code serves a `DynamicCache` and a `StaticCache`
+under `torch.compile` / CUDA graphs.
+
+Per layer and row it holds the open chunk's summary, the last W − 2 closed ones and a running sum
+of all older ones (as `ops.recurrent`), plus what rolling back needs (`rollback`, for assisted /
+speculative decoding):
+
+- the (recent, far) summaries as they were before the last chunk close, and
+- a ring of the last 2·C tokens' keys and values (C = chunk size),
+
+so any rollback that stays within the open chunk and the one before it — at least C tokens — is
+rebuilt exactly: the summaries come back from the copy, the open chunk is re-summed from the
+ring. Rolling back further raises. Memory: 2W − 1 summaries instead of W, plus 2·C·H_kv·(D + D_v)
+key/value numbers in the model dtype, per row.
+
+With `exact_chunks = L > 0` (ops.exact_local) the same ring, (L + 2)·C slots, is the exact window:
+a token reads the ring's tokens of its own chunk and the L − 1 before it with the softmax kernel,
+and only the summaries of older chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.dispatch import select
+from ..ops.exact_local import read_window, window_relative
+from ..ops.feature_maps import resolve_feature_map
+from ..ops.recurrent import step_terms, step_torch
+
+FIELDS = (
+    "position", "cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z",
+    "back_recent_s", "back_recent_z", "back_far_s", "back_far_z", "back_valid", "ring_k", "ring_v",
+)
+
+
+def _per_row(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) → broadcastable against `like` (B, ...)."""
+    return mask.view(-1, *(1,) * (like.dim() - 1))
+
+
+class DecodeState:
+    """The recurrent state of one layer for `batch` rows; see the module docstring.
+
+    Tensors (B rows, H = H_kv, K = W − 2 summaries kept, R ring slots: 2·C, (exact_chunks + 2)·C with exact chunks):
+    position (B,) real tokens consumed; cur_s / cur_z (B, H, D, Dv) / (B, H, D) the open chunk;
+    recent_s / recent_z (B, H, K, D, Dv) / (B, H, K, D), oldest first, zeros before the first
+    closes; far_s / far_z every older chunk; back_* the recent / far summaries before the last
+    close and back_valid whether they are known; ring_k / ring_v (B, R, H, D) / (B, R, H, Dv): the
+    token at position t sits in slot t mod R.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, dim: int, dv: int, *, chunk_size: int, window: int,
+                 feature_map, dtype: torch.dtype, device: torch.device, exact_chunks: int = 0):
+        acc = torch.promote_types(dtype, torch.float32)
+        self.chunk_size, self.window, self.keep = chunk_size, window, max(window - 2, 0)
+        # exact chunks: the window (≤ L·C tokens) must survive a rollback (< 2·C tokens) whose rejected tokens
+        # overwrote the slots before it
+        self.exact_chunks, self.slots = exact_chunks, (exact_chunks + 2 if exact_chunks else 2) * chunk_size
+        self.feature_map = feature_map
+        self.phi = resolve_feature_map(feature_map)
+
+        def zeros(*shape, dtype=acc):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.position = zeros(batch, dtype=torch.long)
+        self.cur_s, self.cur_z = zeros(batch, kv_heads, dim, dv), zeros(batch, kv_heads, dim)
+        self.recent_s = zeros(batch, kv_heads, self.keep, dim, dv)
+        self.recent_z = zeros(batch, kv_heads, self.keep, dim)
+        self.far_s, self.far_z = zeros(batch, kv_heads, dim, dv), zeros(batch, kv_heads, dim)
+        self.back_recent_s, self.back_recent_z = torch.zeros_like(self.recent_s), torch.zeros_like(self.recent_z)
+        self.back_far_s, self.back_far_z = torch.zeros_like(self.far_s), torch.zeros_like(self.far_z)
+        self.back_valid = zeros(batch, dtype=torch.bool)
+        self.ring_k = zeros(batch, self.slots, kv_heads, dim, dtype=dtype)
+        self.ring_v = zeros(batch, self.slots, kv_heads, dv, dtype=dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in FIELDS]
+
+    def fits(self, k: torch.Tensor, v: torch.Tensor, chunk_size: int, window: int, feature_map,
+             exact_chunks: int = 0) -> bool:
+        """Whether this state can take a new prompt of keys k and values v (B, N, H, D) in place."""
+        batch, _, heads, dim = k.shape
+        settings = (self.chunk_size, self.window, self.feature_map, self.exact_chunks)
+        return (
+            settings == (chunk_size, window, feature_map, exact_chunks)
+            and self.ring_k.shape[0] == batch and self.ring_k.shape[2:] == (heads, dim)
+            and self.ring_v.shape[-1] == v.shape[-1] and self.ring_k.dtype == k.dtype
+            and self.ring_k.device == k.device
+        )
+
+    # --- the prompt --------------------------------------------------------------------------
+    def _summaries(self, s, z, closed):
+        """(recent, far) of rows that have closed `closed` (B,) chunks, from per-chunk sums s, z."""
+        rows = torch.arange(s.shape[0], device=s.device)[:, None]
+        idx = closed[:, None] - self.keep + torch.arange(self.keep, device=s.device)  # (B, K)
+        valid = idx >= 0
+        recent_s = torch.where(valid[..., None, None, None], s[rows, idx.clamp(min=0)], 0).transpose(1, 2)
+        recent_z = torch.where(valid[..., None, None], z[rows, idx.clamp(min=0)], 0).transpose(1, 2)
+        older = (torch.arange(s.shape[1], device=s.device) < (closed - self.keep)[:, None]).to(s.dtype)  # (B, N_c)
+        return recent_s, recent_z, torch.einsum("bn,bnhde->bhde", older, s), torch.einsum("bn,bnhd->bhd", older, z)
+
+    @torch.no_grad()
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Start every row afresh from its first `lengths[b]` tokens of k (B, N, H, D), v (B, N, H, Dv);
+        the rest of a row is ignored (the caller packs each row's real tokens first)."""
+        C, acc = self.chunk_size, self.cur_s.dtype
+        batch, n = k.shape[:2]
+        chunks = n // C + 1  # one more than complete chunks: a row's open chunk always has a slot
+        pad = chunks * C - n
+        fk = self.phi(F.pad(k.to(acc), (0, 0, 0, 0, 0, pad)))
+        keep_row = torch.arange(chunks * C, device=k.device) < lengths[:, None]  # (B, N')
+        fk = torch.where(keep_row[..., None, None], fk, 0).unflatten(1, (chunks, C))  # (B, N_c, C, H, D)
+        vb = F.pad(v.to(acc), (0, 0, 0, 0, 0, pad)).unflatten(1, (chunks, C))
+        s, z = torch.einsum("bnchd,bnche->bnhde", fk, vb), fk.sum(2)  # per-chunk sums
+
+        rows = torch.arange(batch, device=k.device)
+        closed = lengths // C
+        for names, done in ((("recent_s", "recent_z", "far_s", "far_z"), closed),
+                            (("back_recent_s", "back_recent_z", "back_far_s", "back_far_z"), closed - 1)):
+            for name, value in zip(names, self._summaries(s, z, done)):
+                getattr(self, name).copy_(value)
+        self.cur_s.copy_(s[rows, closed])
+        self.cur_z.copy_(z[rows, closed])
+        self.back_valid.copy_(closed >= 1)
+        self.position.copy_(lengths)
+        # the ring: the last R tokens of each row, token t in slot t mod R
+        idx = self._ring_positions().clamp(0, n - 1)
+        self.ring_k.copy_(k.gather(1, idx[..., None, None].expand(-1, -1, *k.shape[2:])))
+        self.ring_v.copy_(v.gather(1, idx[..., None, None].expand(-1, -1, *v.shape[2:])))
+
+    def _ring_positions(self) -> torch.Tensor:
+        """(B, R): the position of the token each ring slot holds (the last R positions; < 0: none)."""
+        R = self.slots
+        first = (self.position - R)[:, None]
+        return first + (torch.arange(R, device=first.device) - first) % R
+
+    # --- one token ---------------------------------------------------------------------------
+    def step(self, q, k, v, real: torch.Tensor | None, relative: torch.Tensor, *, normalize: bool, scale: float,
+             eps: float, backend: str) -> torch.Tensor:
+        """One token per row: q (B, 1, H, D), k (B, 1, H_kv, D), v (B, 1, H_kv, Dv), real (B,) bool
+        (None: all) → output (B, 1, H, Dv). A row whose token is not real keeps its state (its key
+        must give φ(k) = 0). Updates in place, branch-free."""
+        if self.exact_chunks:
+            out, cur_s, cur_z = self._exact_step(q, k, v, relative, scale=scale, eps=eps)
+        else:
+            impl = select("step", backend, step_torch, self, q, k, v, relative, phi=self.phi)
+            out, cur_s, cur_z = impl(self, q, k, v, relative, phi=self.phi, normalize=normalize, scale=scale, eps=eps)
+        with torch.no_grad():
+            self._advance(k[:, 0], v[:, 0], cur_s, cur_z, real)
+        return out
+
+    def _exact_step(self, q, k, v, relative, *, scale: float, eps: float):
+        """The step with exact chunks: summaries of chunks ≥ L back, the softmax kernel over the ring's
+        tokens of the L nearest chunks and the token itself (ops.exact_local)."""
+        C, L, acc = self.chunk_size, self.exact_chunks, self.cur_s.dtype
+        batch, _, heads, dim = q.shape
+        kv_heads = k.shape[2]
+        far = relative * (torch.arange(relative.shape[-1], device=relative.device) >= L)
+        num, den, cur_s, cur_z = step_terms(self, q, k, v, far, phi=self.phi, scale=scale)
+        positions = torch.cat([self._ring_positions(), self.position[:, None]], 1)  # (B, R + 1)
+        start = (self.position // C - L + 1).clamp(min=0) * C
+        in_window = positions >= start[:, None]  # ring slots still empty hold negative positions
+        distance = (self.position[:, None] // C - positions.clamp(min=0) // C).clamp(0, L - 1)
+        weights = window_relative(relative.to(acc), distance, kv_heads, heads // kv_heads)  # (B, ·, ·, 1, R + 1)
+        keys, values = (torch.cat([ring, new], 1).to(acc).transpose(1, 2).unsqueeze(2)
+                        for ring, new in ((self.ring_k, k), (self.ring_v, v)))  # (B, H_kv, 1, R + 1, ·)
+        allowed = (weights > 0) & in_window[:, None, None, None, :]
+        qr = q[:, 0].to(acc).view(batch, kv_heads, heads // kv_heads, 1, dim)
+        out = read_window(num, den, qr, keys, values, weights, allowed, eps=eps)
+        return out.reshape(batch, 1, heads, -1).to(q.dtype), cur_s, cur_z
+
+    def _advance(self, k, v, cur_s, cur_z, real) -> None:
+        batch = k.shape[0]
+        adv = torch.ones(batch, dtype=torch.bool, device=k.device) if real is None else real
+        rows, slot = torch.arange(batch, device=k.device), self.position % self.slots
+        self.ring_k[rows, slot] = torch.where(_per_row(adv, k), k, self.ring_k[rows, slot])
+        self.ring_v[rows, slot] = torch.where(_per_row(adv, v), v, self.ring_v[rows, slot])
+        position = self.position + adv
+        close = adv & (position % self.chunk_size == 0)
+        for back, now in ((self.back_recent_s, self.recent_s), (self.back_recent_z, self.recent_z),
+                          (self.back_far_s, self.far_s), (self.back_far_z, self.far_z)):
+            back.copy_(torch.where(_per_row(close, now), now, back))
+        self.back_valid.logical_or_(close)
+        for far, recent, cur in ((self.far_s, self.recent_s, cur_s), (self.far_z, self.recent_z, cur_z)):
+            if self.keep:
+                far.add_(torch.where(_per_row(close, far), recent[:, :, 0], 0))
+                shifted = torch.cat([recent[:, :, 1:], cur.unsqueeze(2)], 2)
+                recent.copy_(torch.where(_per_row(close, recent), shifted, recent))
+            else:
+                far.add_(torch.where(_per_row(close, far), cur, 0))
+        self.cur_s.copy_(torch.where(_per_row(close, cur_s), 0, cur_s))
+        self.cur_z.copy_(torch.where(_per_row(close, cur_z), 0, cur_z))
+        self.position.copy_(position)
+
+    # --- going back, reordering ----------------------------------------------------------------
+    @torch.no_grad()
+    def rollback(self, tokens: int) -> None:
+        """Forget the last `tokens` tokens of every row (assisted decoding's `crop`)."""
+        if tokens <= 0:
+            return
+        C = self.chunk_size
+        position = self.position - tokens
+        start = self.position - self.position % C  # where the open chunk began
+        into_previous = position < start
+        if bool(((position < 0) | (position < start - C) | (into_previous & ~self.back_valid)).any()):
+            raise ValueError(
+                f"an MHLA state can go back at most to the start of the chunk before its open one ({C} tokens "
+                f"or more); cannot forget {tokens} tokens here"
+            )
+        for back, now in ((self.back_recent_s, self.recent_s), (self.back_recent_z, self.recent_z),
+                          (self.back_far_s, self.far_s), (self.back_far_z, self.far_z)):
+            now.copy_(torch.where(_per_row(into_previous, now), back, now))
+        base = torch.where(into_previous, start - C, start)
+        held = self._ring_positions()
+        use = (held >= base[:, None]) & (held < position[:, None])  # (B, R): tokens of the open chunk
+        fk = torch.where(use[..., None, None], self.phi(self.ring_k.to(self.cur_s.dtype)), 0)
+        self.cur_s.copy_(torch.einsum("brhd,brhe->bhde", fk, self.ring_v.to(self.cur_s.dtype)))
+        self.cur_z.copy_(fk.sum(1))
+        self.back_valid.logical_and_(~into_previous)
+        self.position.copy_(position)
+
+    @torch.no_grad()
+    def reorder(self, index: torch.Tensor) -> None:
+        """Rows ← rows[index], in place (beam search)."""
+        for t in self.tensors():
+            t.copy_(t.index_select(0, index.to(t.device)))
+
+    def map(self, fn) -> None:
+        """Replace every tensor by fn(tensor) (batch reshaping; changes shapes, so not for a static cache)."""
+        for name in FIELDS:
+            setattr(self, name, fn(getattr(self, name)))
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        for t in self.tensors():
+            t.zero_()
