@@ -144,6 +144,7 @@ def test_sample_takes_an_adapter_and_refuses_a_foreign_one(lora_runs, tmp_path):
     other_dir = mhla_convert.save_pretrained(other, tmp_path / "other")
     result = runner.invoke(app, ["sample", str(other_dir), *args[2:], str(tmp_path / "b.txt"), "--adapter", adapter])
     assert result.exit_code == 2
-    assert result.output.count("\n") == 1 and "does not fit this model" in result.output
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "does not fit this model" in result.stderr
     with pytest.raises(TrainError, match="is not a PEFT adapter"):
         load_adapter(other, tmp_path)

@@ -15,10 +15,14 @@ from .errors import TrainError
 from .lora import load_adapter
 
 
-def _load(checkpoint: Path, device):
+def _load(checkpoint: Path, device, subfolder: str | None = None):
     from .. import from_pretrained
     from ..io import read_mhla_config
 
+    if subfolder is not None:
+        if not (checkpoint / subfolder).is_dir():
+            raise TrainError(f"{checkpoint} has no subfolder {subfolder!r}: check --subfolder")
+        checkpoint = checkpoint / subfolder
     try:
         meta = read_mhla_config(checkpoint)
         model = from_pretrained(checkpoint, device=device)
@@ -30,10 +34,11 @@ def _load(checkpoint: Path, device):
 @torch.no_grad()
 def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 20, guidance_scale: float | None = None,
            height: int | None = None, width: int | None = None, num_frames: int | None = None, max_new_tokens: int = 32,
-           seed: int = 0, device: str | None = None, image=None, lora_adapter=None) -> Path:
+           seed: int = 0, device: str | None = None, image=None, lora_adapter=None,
+           subfolder: str | None = None) -> Path:
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta, model = _load(Path(checkpoint), device)
+    meta, model = _load(Path(checkpoint), device, subfolder)
     if lora_adapter is not None:
         model = load_adapter(model, lora_adapter)
     adapter = adapter_for_family(meta["family"])
