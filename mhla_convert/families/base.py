@@ -88,7 +88,7 @@ class FamilyAdapter:
     required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
     `encode_latents`, `encode_conditions`;
     optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants), `load_single_file`,
-    `check_folder_spec`, `cache_name`, `takes_first_frame`.
+    `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`.
 
     A required hook left out raises NotImplementedError naming the family and the hook.
     """
@@ -206,6 +206,10 @@ class FamilyAdapter:
         raise self._missing("encode_conditions")
 
     # --- sampling --------------------------------------------------------------------------
+    def pipeline_tag(self, config: dict[str, Any]) -> str:
+        """The Hub's task tag for a model of this family with `config` (its card's `pipeline_tag`)."""
+        return {"text": "text-generation", "video": "text-to-video"}.get(self.sample_kind, "text-to-image")
+
     def takes_first_frame(self, model: nn.Module) -> bool:
         """Whether `sample` needs a first frame (image-to-video models)."""
         return False
