@@ -135,14 +135,15 @@ def test_sample_takes_an_adapter_and_refuses_a_foreign_one(lora_runs, tmp_path):
     if family != "llama":
         pytest.skip("one family is enough for the command line")
     runner = CliRunner()
-    kept, adapter = str(root / "kept" / "model"), str(root / "kept" / "adapter")
-    args = ["sample", kept, "--prompt", "abc", "--max-new-tokens", "4", "--device", "cpu", "--out"]
+    adapter = str(root / "kept" / "adapter")
+    args = ["sample", str(root / "kept"), "--subfolder", "model", "--prompt", "abc", "--max-new-tokens", "4",
+            "--device", "cpu", "--out"]
     result = runner.invoke(app, [*args, str(tmp_path / "a.txt"), "--adapter", adapter])
     assert result.exit_code == 0, result.output
     other = mhla_convert.tiny_model("tiny-qwen3")
     mhla_convert.convert(other, progress=False)
     other_dir = mhla_convert.save_pretrained(other, tmp_path / "other")
-    result = runner.invoke(app, ["sample", str(other_dir), *args[2:], str(tmp_path / "b.txt"), "--adapter", adapter])
+    result = runner.invoke(app, ["sample", str(other_dir), *args[4:], str(tmp_path / "b.txt"), "--adapter", adapter])
     assert result.exit_code == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "does not fit this model" in result.stderr
