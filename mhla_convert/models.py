@@ -145,6 +145,8 @@ def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = N
     `subfolder`: the model's folder inside a directory or hub repo; `config`: for a weights file,
     the directory or hub id of its config."""
     if spec in tiny_models():
+        if subfolder is not None or config is not None:
+            raise ValueError(f"{spec} is a built-in tiny model: it has no subfolders and needs no --config")
         return Source("tiny", spec)
     spec = aliases().get(spec, (None, spec))[1]
     path = Path(spec).expanduser()

@@ -44,6 +44,8 @@ def test_subfolder_and_pipeline_directory(tiny, run_model, tmp_path):
     assert loaded.mhla_source["subfolder"] == "weights/v2"
     with pytest.raises(ValueError, match="has no subfolder 'v3'; its folders: weights"):
         load_model(str(tmp_path / "repo"), subfolder="v3")
+    with pytest.raises(ValueError, match="is a built-in tiny model: it has no subfolders"):
+        load_model("tiny-wan", subfolder="transformer")
 
 
 def test_convert_subfolder_on_the_command_line(tiny, tmp_path):
