@@ -53,6 +53,10 @@ def test_convert_subfolder_on_the_command_line(tiny, tmp_path):
     result = invoke(tmp_path / "repo", "--subfolder", "dit", "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert "subfolder dit" in result.output
+    from mhla_convert.evaluate.models import resolve_model  # what `eval --subfolder` loads
+
+    assert resolve_model(str(tmp_path / "repo"), role="model", device="cpu", subfolder="dit").mhla_source == {
+        "base_model": str(tmp_path / "repo"), "revision": None, "subfolder": "dit"}
     result = invoke(tmp_path / "repo", "--subfolder", "nope", "--out", tmp_path / "out2")
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "has no subfolder 'nope'" in result.stderr
