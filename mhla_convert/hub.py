@@ -64,8 +64,11 @@ def _base_card_data(base: str | None, revision: str | None, subfolder: str | Non
     if not base:
         return {}
     path = Path(base).expanduser()
-    candidates = [path / CARD_FILE, path.parent / CARD_FILE] if subfolder is None else [path / CARD_FILE]
-    if not path.exists() and HUB_ID.match(base):
+    candidates = []
+    if path.is_dir():  # the model's folder, or the pipeline's around it
+        in_pipeline = subfolder is None and (path.parent / "model_index.json").is_file()
+        candidates = [path / CARD_FILE, *([path.parent / CARD_FILE] if in_pipeline else [])]
+    elif HUB_ID.match(base):
         from huggingface_hub import try_to_load_from_cache
 
         cached = try_to_load_from_cache(base, CARD_FILE, revision=revision)
