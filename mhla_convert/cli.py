@@ -91,6 +91,12 @@ def convert_command(
     dtype: Optional[str] = typer.Option(
         None, help="Load and save in this dtype: bf16, fp16 or fp32 (default: the source's)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
+    subfolder: Optional[str] = typer.Option(
+        None, help="The model's folder inside MODEL's directory or hub repo (default: the repo root, or transformer/ "
+        "of a diffusers pipeline)."),
+    config: Optional[str] = typer.Option(
+        None, help="MODEL as one weights file: the directory or hub id holding its config (default: diffusers' "
+        "guess from the weights)."),
     push: Optional[str] = typer.Option(None, help="Also push the result to this hub repo id."),
     private: bool = typer.Option(False, help="With --push: create the repo private."),
 ) -> None:
@@ -123,7 +129,7 @@ def convert_command(
             raise ValueError(f"--fit-steps must be >= 0; got {fit_steps}")
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
-        source = resolve(model, revision=revision)
+        source = resolve(model, revision=revision, subfolder=subfolder, config=config)
         with _step(f"loading {source.describe()}"):
             base = load_source(source, torch_dtype=torch_dtype)
         if auto:
@@ -212,6 +218,8 @@ def demo_command() -> None:
 def eval_command(
     model: str = typer.Argument(..., help="Model to score: alias, tiny-* model, hub id, model or checkpoint dir."),
     reference: Optional[str] = typer.Option(None, help="The model to compare with: the base MODEL was converted from."),
+    subfolder: Optional[str] = typer.Option(None, help="MODEL's folder inside its directory or hub repo."),
+    reference_subfolder: Optional[str] = typer.Option(None, help="The reference's folder in its directory or repo."),
     data: str = typer.Option(..., help="synthetic, latents (.safetensors), an image/video folder, or text (LMs)."),
     out: Path = typer.Option(..., help="Directory for eval.json and summary.md (new, empty or a previous eval's)."),
     batch_size: int = typer.Option(4, help="Examples per batch."),
@@ -233,7 +241,8 @@ def eval_command(
         result = evaluate(model, data, reference, batch_size=batch_size, num_batches=num_batches, seed=seed,
                           out_dir=out, device=device, dtype=dtype, timesteps=timesteps, samples=samples,
                           passkey_lengths=_int_list(passkey_lengths, "--passkey-lengths", "token counts", "256,1024"),
-                          tasks=[t for t in (tasks or "").replace(" ", "").split(",") if t])
+                          tasks=[t for t in (tasks or "").replace(" ", "").split(",") if t], subfolder=subfolder,
+                          reference_subfolder=reference_subfolder)
     except USER_ERRORS as error:
         _fail(error)
     typer.echo(table(result))

@@ -2,32 +2,33 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 
+from .families import adapter_for_family
 from .io import read_mhla_config
-from .locations import HUB_ERRORS, one_line
+from .locations import HUB_ERRORS, HUB_ID, one_line
 
 CARD_FILE = "README.md"
+EVAL_FILE = "eval.json"  # an evaluation (`mhla-convert eval`) kept beside the checkpoint: its table goes in the card
 
 CARD_TEMPLATE = """---
 {card_data}
 ---
 
-# {repo_id}
+# {title}
 
 {base_line} converted to **Multi-Head Linear Attention (MHLA)** with
 `mhla-convert` {version}: {converted} of {num_layers}
 self-attention layers run MHLA, the rest keep their original attention.
 
-## Conversion plan
+## Use
 
-| option | value |
-|---|---|
-{options}
-
-## Load
+```bash
+pip install mhla-convert
+```
 
 ```python
 import mhla_convert
@@ -36,30 +37,98 @@ model = mhla_convert.from_pretrained("{repo_id}")
 ```
 
 The base library's own `from_pretrained` would rebuild the original attention and drop the MHLA
-weights, so load through `mhla_convert`.
+weights, so load through `mhla_convert`; or sample from the command line:
+`mhla-convert sample {repo_id} --out {sample_file}`.
+
+## Conversion
+
+| option | value |
+|---|---|
+{options}
+{evaluation}"""
+
+EVAL_SECTION = """
+## Evaluation
+
+{what}
+
+| metric | model | reference | gap % |
+|---|---:|---:|---:|
+{rows}
 """
 
 
+def _base_card_data(base: str | None, revision: str | None, subfolder: str | None) -> dict:
+    """The base model's own card metadata where it is on this machine (a local folder, or the Hub
+    cache): license and pipeline tag are carried over. Never downloads."""
+    if not base:
+        return {}
+    path = Path(base).expanduser()
+    candidates = []
+    if path.is_dir():  # the model's folder, or the pipeline's around it
+        in_pipeline = subfolder is None and (path.parent / "model_index.json").is_file()
+        candidates = [path / CARD_FILE, *([path.parent / CARD_FILE] if in_pipeline else [])]
+    elif HUB_ID.match(base):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(base, CARD_FILE, revision=revision)
+        candidates = [Path(cached)] if isinstance(cached, str) else []
+    for card in candidates:
+        if card.is_file():
+            return ModelCard.load(card).data.to_dict()
+    return {}
+
+
+def _is_hub_id(base: str | None) -> bool:
+    return bool(base) and "/" in base and not Path(base).expanduser().exists() and bool(HUB_ID.match(base))
+
+
+def _eval_section(directory: Path) -> str:
+    path = directory / EVAL_FILE
+    if not path.is_file():
+        return ""
+    from .evaluate.report import rows
+
+    result = json.loads(path.read_text())
+    meta = result.get("meta", {})
+    data = meta.get("data", {})
+    what = (f"From `mhla-convert eval` on {data.get('kind', 'held-out')} data ({meta.get('num_examples', '?')} "
+            f"examples, seed {meta.get('seed', '?')})" + (", against the base model" if "reference" in result else "")
+            + ". Gap = (model − reference) / |reference|.")
+    return EVAL_SECTION.format(what=what, rows="\n".join(f"| {' | '.join(r)} |" for r in rows(result)))
+
+
 def model_card(directory, repo_id: str) -> ModelCard:
-    """A README.md for the checkpoint in `directory`: base model, library, tags, plan, load snippet."""
+    """A README.md for the checkpoint in `directory`: YAML metadata (library, base model, pipeline tag,
+    license, tags), install and load snippets, the conversion table and, when `eval.json` is there, the
+    evaluation. Local paths are never shown: a local base model appears by its folder name."""
+    directory = Path(directory)
     meta = read_mhla_config(directory)
     base = meta.get("base_model")
-    on_hub = bool(base) and "/" in base and not Path(base).exists()
+    adapter = adapter_for_family(meta["family"])
+    config = json.loads((directory / "config.json").read_text())
+    base_card = _base_card_data(base, meta.get("base_model_revision"), meta.get("base_model_subfolder"))
+    on_hub = _is_hub_id(base)
     data = ModelCardData(
-        base_model=base if on_hub else None, library_name="mhla-convert",
-        tags=["mhla", "linear-attention", meta["family"], meta["library"]],
+        library_name="mhla-convert", base_model=base if on_hub else None,
+        pipeline_tag=base_card.get("pipeline_tag") or adapter.pipeline_tag(config),
+        license=base_card.get("license"), license_name=base_card.get("license_name"),
+        tags=["mhla", "linear-attention", "mhla-convert", meta["family"], meta["library"]],
     )
+    shown = base if on_hub else (Path(base).name if base else None) or meta["model_class"]
     plan, mhla = meta["plan"], meta["mhla"]
-    options = {"family": meta["family"], "attention": plan.get("attention", "mhla"),
+    options = {"family": meta["family"], "base model": shown, "attention": plan.get("attention", "mhla"),
                "converted layers": ", ".join(map(str, plan["layers"])) or "none"}
     if plan.get("strategy"):
         options["layers chosen by"] = plan["strategy"]
     options.update(mhla)
     return ModelCard(CARD_TEMPLATE.format(
-        card_data=data.to_yaml(), repo_id=repo_id, version=meta["mhla_convert_version"],
-        base_line=f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{base or meta['model_class']}`",
+        card_data=data.to_yaml(), title=repo_id, repo_id=repo_id, version=meta["mhla_convert_version"],
+        base_line=f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{shown}`",
         converted=len(plan["layers"]), num_layers=plan["num_layers"],
         options="\n".join(f"| {k} | `{v}` |" for k, v in options.items()),
+        evaluation=_eval_section(directory),
+        sample_file={"text": "out.txt", "video": "out.mp4"}.get(adapter.sample_kind, "out.png"),
     ))
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
+from .layer import mhla_layers
 from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
 from .placement import place_model
 
@@ -169,6 +170,21 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def host_named_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the keys of converted layers that keep their host's submodule names
+    (`MHLAttention.host_names`) saved under the MHLA names (`...self_attn.to_q.weight`, as
+    checkpoints written before the layers kept the host's names have them) renamed to the host's."""
+    renames = {f"{name}.{old}.": f"{name}.{new}." for name, layer in mhla_layers(model)
+               for old, new in layer.host_names.items()}
+    if not renames:
+        return state
+    out = {}
+    for key, value in state.items():
+        prefix = next((p for p in renames if key.startswith(p)), None)
+        out[key if prefix is None else renames[prefix] + key[len(prefix):]] = value
+    return out
+
+
 def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
     if path.is_dir():
@@ -195,7 +211,7 @@ def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: s
         model = adapter.build(config)
         apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
     try:
-        model.load_state_dict(load_state_dict(directory), strict=True, assign=True)
+        model.load_state_dict(host_named_keys(model, load_state_dict(directory)), strict=True, assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -97,7 +97,14 @@ class MHLAttention(nn.Module):
     Submodules: to_q, to_k, to_v, to_out; norm_q / norm_k (Identity unless `qk_norm` is
     "across_heads" — applied on (B, N, H·D) — or "per_head" — on (B, N, H, D)); out_norm.
     Parameter `mixing`: (M, M) / (H, M, M) non-causal, (W,) / (H, W) relative causal.
+
+    A subclass standing in for a host attention whose submodules have other names (Llama's q_proj,
+    …, o_proj, q_norm, k_norm) lists them in `host_names`, {MHLA name: host name}: the submodules are
+    registered under the host's names, so state-dict keys and the module names PEFT targets by
+    default stay the host's, while the code here keeps using the MHLA names.
     """
+
+    host_names: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self, dim: int, num_heads: int, *, head_dim: int | None = None, num_kv_heads: int | None = None,
@@ -131,6 +138,19 @@ class MHLAttention(nn.Module):
         else:
             mixing = initial_mixing(cfg.mixing_init, cfg.blocks)
         return mixing.expand(self.num_heads, *mixing.shape).clone() if cfg.per_head_mixing else mixing
+
+    def __getattr__(self, name: str):
+        return super().__getattr__(self.host_names.get(name, name))
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(self.host_names.get(name, name), value)
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(self.host_names.get(name, name))
+
+    def submodule_name(self, name: str) -> str:
+        """Where the MHLA submodule `name` (to_q, …, norm_k) is registered: its host name, if any."""
+        return self.host_names.get(name, name)
 
     @property
     def num_blocks(self) -> int | None:

@@ -2,7 +2,10 @@
 
 `load_model(spec)` accepts any of them; the family is always detected from the model's own
 config (`adapter_for_config`), so a hub id or directory of a supported class needs no alias.
-Diffusers pipelines keep the transformer in a `transformer/` subfolder, which is found here.
+Diffusers pipelines keep the transformer in a `transformer/` subfolder, which is found here; another
+subfolder is named with `subfolder`. A single weights file (ComfyUI / original-format checkpoints)
+loads through diffusers' `from_single_file` where the family's class has it, its config from
+`config` (a model or pipeline directory, or hub id) or else diffusers' guess from the weights.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
 from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_ERRORS, hub_unreachable
-from .placement import parse_dtype, place_model
+from .placement import keep_fp32_modules, parse_dtype, place_model
 
 PIPELINE_SUBFOLDER = "transformer"
 # The weight files diffusers' `from_pretrained` reads by default (no variant), single or sharded.
 DIFFUSERS_WEIGHTS = re.compile(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors")
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 
 
 def aliases() -> dict[str, tuple[str, str]]:
@@ -62,12 +66,13 @@ def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn
 class Source:
     """What a model spec resolved to."""
 
-    kind: str  # "tiny", "converted" (an MHLA checkpoint), "local" or "hub"
-    location: str  # tiny name, directory or hub id
+    kind: str  # "tiny", "converted" (an MHLA checkpoint), "local", "hub" or "single_file"
+    location: str  # tiny name, directory, hub id or weights file
     subfolder: str | None = None
     revision: str | None = None
     config: dict[str, Any] | None = None  # the base model's config (not for tiny / converted)
     files: frozenset[str] = frozenset()  # the files of the model directory or hub repo (not for tiny / converted)
+    config_source: str | None = None  # single_file: the directory or hub id its config came from
 
     def describe(self) -> str:
         where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
@@ -76,55 +81,94 @@ class Source:
             "converted": f"MHLA checkpoint {where}",
             "local": f"local model {where}",
             "hub": f"hub model {where}" + (f" @ {self.revision[:12]}" if self.revision else ""),
+            "single_file": f"single-file checkpoint {self.location}",
         }[self.kind]
 
 
-def _local_source(path: Path) -> Source:
-    if (path / MHLA_CONFIG).is_file():
+def _local_source(path: Path, subfolder: str | None = None) -> Source:
+    if subfolder is not None:
+        if not (path / subfolder).is_dir():
+            folders = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+            raise ValueError(f"{path} has no subfolder {subfolder!r}; its folders: {', '.join(folders) or 'none'}")
+        if (path / subfolder / MHLA_CONFIG).is_file():
+            return Source("converted", str(path / subfolder))
+    elif (path / MHLA_CONFIG).is_file():
         return Source("converted", str(path))
-    for subfolder in (None, PIPELINE_SUBFOLDER):
-        config = path / (subfolder or "") / "config.json"
+    for folder in (subfolder,) if subfolder is not None else (None, PIPELINE_SUBFOLDER):
+        config = path / (folder or "") / "config.json"
         if config.is_file():
             files = frozenset(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
-            return Source("local", str(path), subfolder, config=json.loads(config.read_text()), files=files)
+            return Source("local", str(path), folder, config=json.loads(config.read_text()), files=files)
+    if subfolder is not None:
+        raise ValueError(f"{path / subfolder} holds no config.json: not a model folder")
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
 
 
-def _hub_source(repo_id: str, revision: str | None) -> Source:
+def _hub_source(repo_id: str, revision: str | None, subfolder: str | None = None) -> Source:
     from huggingface_hub import HfApi, hf_hub_download
 
     try:
         info = HfApi().model_info(repo_id, revision=revision)
         files = {s.rfilename for s in info.siblings or []}
-        if MHLA_CONFIG in files:
+        if subfolder is None and MHLA_CONFIG in files:
             return Source("converted", repo_id, revision=info.sha)
-        subfolder = PIPELINE_SUBFOLDER if "model_index.json" in files else None
+        if subfolder is not None and f"{subfolder}/config.json" not in files:
+            raise ValueError(f"hub model {repo_id} has no {subfolder}/config.json: check --subfolder")
+        if subfolder is None and "model_index.json" in files:
+            subfolder = PIPELINE_SUBFOLDER
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
     except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
     return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()), frozenset(files))
 
 
-def resolve(spec: str, *, revision: str | None = None) -> Source:
-    """A tiny name, alias, local directory or hub id → where and what to load."""
+def _single_file_source(path: Path, config: str | None, subfolder: str | None, revision: str | None) -> Source:
+    """A weights file: its family from `config` (a model or pipeline directory, or hub id), or
+    from the hub repo diffusers' `fetch_diffusers_config` picks for the weights."""
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise ValueError(f"{path} is a file but not a weights file ({', '.join(SINGLE_FILE_SUFFIXES)}); "
+                         "give a model directory, a hub id or an alias (mhla-convert list)")
+    if config is None:
+        from diffusers.loaders.single_file_utils import fetch_diffusers_config, load_single_file_checkpoint
+
+        config = fetch_diffusers_config(load_single_file_checkpoint(str(path)))["pretrained_model_name_or_path"]
+    found = resolve(config, revision=revision, subfolder=subfolder)
+    if found.kind not in ("local", "hub"):
+        raise ValueError(f"--config {config} is {found.describe()}; give the base model's directory or hub id")
+    return Source("single_file", str(path), found.subfolder, found.revision, found.config,
+                  config_source=found.location)
+
+
+def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = None,
+            config: str | None = None) -> Source:
+    """A tiny name, alias, local directory, hub id or weights file → where and what to load.
+    `subfolder`: the model's folder inside a directory or hub repo; `config`: for a weights file,
+    the directory or hub id of its config."""
     if spec in tiny_models():
+        if subfolder is not None or config is not None:
+            raise ValueError(f"{spec} is a built-in tiny model: it has no subfolders and needs no --config")
         return Source("tiny", spec)
     spec = aliases().get(spec, (None, spec))[1]
     path = Path(spec).expanduser()
+    if path.is_file():
+        return _single_file_source(path, config, subfolder, revision)
+    if config is not None:
+        raise ValueError("--config is for single-file checkpoints (a weights file); a directory or hub id has its own")
     if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"{spec} is a file; give a model directory, a hub id or an alias (mhla-convert list)")
-        return _local_source(path)
+        return _local_source(path, subfolder)
     if spec.startswith((".", "/", "~")):
         raise ValueError(f"{spec}: no such directory")
     if not HUB_ID.match(spec):
         raise ValueError(f"{spec!r} is neither an alias (see `mhla-convert list`), a directory nor a hub id")
-    return _hub_source(spec, revision)
+    return _hub_source(spec, revision, subfolder)
 
 
-def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None = None) -> nn.Module:
-    """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory or hub id."""
-    return load_source(resolve(spec, revision=revision), torch_dtype=torch_dtype, device=device)
+def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None = None,
+               subfolder: str | None = None, config: str | None = None) -> nn.Module:
+    """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory, hub id or
+    weights file (see `resolve`)."""
+    return load_source(resolve(spec, revision=revision, subfolder=subfolder, config=config),
+                       torch_dtype=torch_dtype, device=device)
 
 
 def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
@@ -147,12 +191,17 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         if v is not None
     }
     try:
-        model = adapter.load_pretrained(source.location, **kwargs)
+        if source.kind == "single_file":
+            model = adapter.load_single_file(source.location, config=source.config_source, **kwargs)
+        else:
+            model = adapter.load_pretrained(source.location, **kwargs)
     except TRANSPORT_ERRORS as error:  # the download broke off; the libraries report other failures themselves
         raise hub_unreachable(source.location, error) from error
-    setattr(
-        model, SOURCE_ATTR, {"base_model": source.location, "revision": source.revision, "subfolder": source.subfolder}
-    )
+    if adapter.library == "diffusers":
+        keep_fp32_modules(model)
+    # a single file's other pipeline parts (VAE, text encoder) come from where its config came from
+    base = source.config_source if source.kind == "single_file" else source.location
+    setattr(model, SOURCE_ATTR, {"base_model": base, "revision": source.revision, "subfolder": source.subfolder})
     return place_model(model, None, device).eval()
 
 
@@ -174,6 +223,10 @@ def stored_dtype(source: Source) -> torch.dtype | None:
     folder = f"{source.subfolder}/" if source.subfolder else ""
     names = [f for f in source.files if f.startswith(folder) and DIFFUSERS_WEIGHTS.fullmatch(f[len(folder):])]
     counts: Counter[str] = Counter()
+    if source.kind == "single_file":
+        names = []
+        if source.location.endswith(".safetensors"):
+            counts.update(_local_parameter_count(Path(source.location)))
     for name in names:
         if source.kind == "local":
             counts.update(_local_parameter_count(Path(source.location) / name))

@@ -34,7 +34,7 @@ from .mixing import clamp_mixing_
 from .plan import AUTO_NEEDS_CALIBRATION
 
 FIT_LR = 1e-3
-FIT_PARAMETERS = ("mixing", "to_q.", "to_k.", "out_norm.")  # the new parameters and the q/k projections
+FIT_PARAMETERS = ("mixing", "to_q", "to_k", "out_norm")  # the new parameters and the q/k projections
 EMPTY_CALIBRATION = "calibration is empty: give at least one batch of model inputs (a dict for model(**batch))"
 
 
@@ -97,7 +97,9 @@ def _inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tup
 
 def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps: int, lr: float) -> None:
     """`steps` Adam steps on `layer`'s FIT_PARAMETERS towards `original`'s output on the same inputs."""
-    params = [p for name, p in layer.named_parameters() if name.startswith(FIT_PARAMETERS) and p.requires_grad]
+    fitted = tuple(f"{layer.submodule_name(name)}." for name in FIT_PARAMETERS if name != "mixing")
+    params = [p for name, p in layer.named_parameters()
+              if (name == "mixing" or name.startswith(fitted)) and p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     for step in range(steps):
         args, kwargs = _inputs_of(model, layer, batches[step % len(batches)])

@@ -80,7 +80,7 @@ def test_text_corpus_is_packed_and_cached(tmp_path, monkeypatch):
     train(recipe, tmp_path / "run1", **QUIET)
     monkeypatch.setattr(encode, "pack_text", lambda *a: (_ for _ in ()).throw(AssertionError("packed again")))
     train(recipe, tmp_path / "run2", **QUIET)
-    assert list((tmp_path / ".mhla_cache").glob("*/shard-00000.safetensors"))
+    assert list((tmp_path / ".mhla_cache").glob("*/input_ids.safetensors"))
 
 
 def test_empty_or_broken_folders_are_refused(tmp_path):

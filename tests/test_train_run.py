@@ -199,7 +199,8 @@ def test_fp16_on_cpu_is_refused_before_the_model_loads(tmp_path, monkeypatch, fr
 @pytest.mark.parametrize("mode", ["mhla", "attention", "all", "lora"])
 def test_fixed_mixing_stays_frozen_in_every_mode(mode):
     from mhla_convert.train.build import build_model
-    from mhla_convert.train.params import add_lora, select_trainable
+    from mhla_convert.train.lora import add_lora
+    from mhla_convert.train.params import select_trainable
 
     recipe = parse_recipe(TINY, overrides=["conversion={options: {learnable_mixing: false}}", "stages.1.train=lora"])
     built = build_model(recipe, teachers=False)

@@ -59,13 +59,13 @@ def _compare_samples(model, reference, *, family, out_dir, num_samples, seed, st
                                seed=seed, steps=steps, device=device)
 
 
-def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device):
+def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device, subfolders=(None, None)):
     """(model, reference or None, the model's family adapter), refusing a reference that takes other inputs."""
-    loaded = resolve_model(model, role="model", dtype=dtype, device=device)
+    loaded = resolve_model(model, role="model", dtype=dtype, device=device, subfolder=subfolders[0])
     adapter = adapter_of(loaded, "model")
     if reference is None:
         return loaded, None, adapter
-    ref = resolve_model(reference, role="reference", dtype=dtype, device=device)
+    ref = resolve_model(reference, role="reference", dtype=dtype, device=device, subfolder=subfolders[1])
     check_comparable(loaded, ref, (adapter.name, adapter_of(ref, "reference").name))
     return loaded, ref, adapter
 
@@ -128,11 +128,14 @@ def evaluate(
     sample_steps: int = 20,
     data_options: dict | None = None,
     objective: ObjectiveSpec | None = None,
+    subfolder: str | None = None,
+    reference_subfolder: str | None = None,
 ) -> dict:
     """Score `model` (and `reference`, on the same batches, timesteps and noise) on held-out `data`.
 
     model, reference: an nn.Module, or what the converter loads: alias, tiny-* name, local directory
-        (a base model, or a converted checkpoint holding mhla_config.json) or hub id.
+        (a base model, or a converted checkpoint holding mhla_config.json) or hub id; `subfolder` /
+        `reference_subfolder`: the model's folder inside such a directory or hub repo.
     data: "synthetic" (the family's built-in training set for `seed`), a .safetensors file or folder of
         latents, an image/video folder with metadata.jsonl, or text (.txt/.jsonl/.json/.parquet) for
         LMs; or a training `DataSpec`. `data_options` sets other DataSpec fields (context_length,
@@ -157,7 +160,8 @@ def evaluate(
     num_examples = batch_size * num_batches
     spec = data_spec(data, data_options)
 
-    loaded, ref, adapter = _load_models(model, reference, dtype=dtype, device=device)
+    loaded, ref, adapter = _load_models(model, reference, dtype=dtype, device=device,
+                                        subfolders=(subfolder, reference_subfolder))
     language_model = is_language_model(adapter)
     if not language_model and tasks:
         raise EvalError(f"lm-eval tasks are for language models; this is a {adapter.name} model: leave out tasks")

@@ -24,17 +24,19 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_model(spec: nn.Module | str | Path, *, role: str, dtype=None, device=None) -> nn.Module:
+def resolve_model(spec: nn.Module | str | Path, *, role: str, dtype=None, device=None,
+                  subfolder: str | None = None) -> nn.Module:
     """`spec` as a model in eval mode. `load_model` reads a directory holding mhla_config.json as a
-    converted checkpoint (`from_pretrained`) and anything else as a base model. An nn.Module is used
-    as given: cast to `dtype` and moved to `device` only when those are set."""
+    converted checkpoint (`from_pretrained`) and anything else as a base model (`subfolder`: the
+    model's folder in a directory or hub repo). An nn.Module is used as given: cast to `dtype` and
+    moved to `device` only when those are set."""
     try:
         torch_dtype = parse_dtype(dtype)
         if isinstance(spec, nn.Module):
             if torch_dtype is not None:
                 cast_model(spec, torch_dtype)
             return spec.to(device) if device is not None else spec
-        return load_model(str(spec), torch_dtype=torch_dtype, device=device or default_device())
+        return load_model(str(spec), torch_dtype=torch_dtype, device=device or default_device(), subfolder=subfolder)
     except (ValueError, OSError) as error:
         raise EvalError(f"cannot load the {role} {spec}: {error}") from None
 

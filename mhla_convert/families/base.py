@@ -87,8 +87,8 @@ class FamilyAdapter:
     required, to sample: `sample` (and set `sample_kind`);
     required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
     `encode_latents`, `encode_conditions`;
-    optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants),
-    `check_folder_spec`, `cache_name`, `takes_first_frame`.
+    optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants), `load_single_file`,
+    `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`.
 
     A required hook left out raises NotImplementedError naming the family and the hook.
     """
@@ -155,6 +155,13 @@ class FamilyAdapter:
         """The pretrained base model from a local directory or hub id."""
         raise self._missing("load_pretrained")
 
+    def load_single_file(self, path: str, *, config: str, **kwargs) -> nn.Module:
+        """The pretrained base model from one weights file, its config from `config` (a directory
+        or hub id, `subfolder` in kwargs); diffusers families with `from_single_file` override this."""
+        raise UnsupportedModelError(
+            f"{self.name} models ({', '.join(self.model_classes)}) cannot load from a single weights file "
+            "(diffusers' from_single_file does not support them): give the model's directory or hub id")
+
     def model_config(self, model: nn.Module) -> dict[str, Any]:
         """The base model's own config as a JSON-able dict (what `build` takes back)."""
         raise self._missing("model_config")
@@ -199,6 +206,10 @@ class FamilyAdapter:
         raise self._missing("encode_conditions")
 
     # --- sampling --------------------------------------------------------------------------
+    def pipeline_tag(self, config: dict[str, Any]) -> str:
+        """The Hub's task tag for a model of this family with `config` (its card's `pipeline_tag`)."""
+        return {"text": "text-generation", "video": "text-to-video"}.get(self.sample_kind, "text-to-image")
+
     def takes_first_frame(self, model: nn.Module) -> bool:
         """Whether `sample` needs a first frame (image-to-video models)."""
         return False

@@ -222,6 +222,14 @@ class DiffusersAdapter(FamilyAdapter):
     def load_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
         return self.model_class.from_pretrained(path_or_id, **kwargs)
 
+    def load_single_file(self, path: str, *, config: str, **kwargs) -> nn.Module:
+        """diffusers' `from_single_file` (original-format weights are converted by diffusers itself)."""
+        if not hasattr(self.model_class, "from_single_file"):
+            return super().load_single_file(path, config=config, **kwargs)
+        if "revision" in kwargs:  # the revision is the config's: the weights are a local file
+            kwargs["config_revision"] = kwargs.pop("revision")
+        return self.model_class.from_single_file(path, config=config, **kwargs)
+
     def model_config(self, model: nn.Module) -> dict[str, Any]:
         return json.loads(model.to_json_string())
 

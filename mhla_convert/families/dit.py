@@ -50,6 +50,9 @@ class DiTAdapter(DiffusersAdapter):
     def num_classes(self, model) -> int:
         return model.config.get("num_embeds_ada_norm") or 1000
 
+    def pipeline_tag(self, config) -> str:
+        return "unconditional-image-generation"  # the Hub's nearest task to class-conditional generation
+
     def pipeline_inputs(self, pipe, base, *, class_label=0, guidance_scale=None, **inputs) -> dict[str, Any]:
         """A class label (no prompt, and DiTPipeline takes no size)."""
         from ..train.components import is_tiny

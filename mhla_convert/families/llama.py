@@ -2,7 +2,8 @@
 
 `model.model.layers[i].self_attn` becomes an `MHLALlamaAttention` that keeps the host's call
 signature and return value, so the decoder layer runs unchanged. The host's q/k/v/o projections
-(Qwen2: with biases) and Qwen3's per-head q/k RMSNorms move in as they are; only `mixing` is new.
+(Qwen2: with biases) and Qwen3's per-head q/k RMSNorms move in as they are, under their own names
+(so PEFT's default LoRA targets, q_proj and v_proj, find them); only `mixing` is new.
 Decoding keeps a fixed-size recurrent state in the generation cache, dynamic or static (lm_cache.py).
 """
 
@@ -56,7 +57,11 @@ def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
 
 
 class MHLALlamaAttention(MHLAttention):
-    """Causal MHLA in place of a Llama-style `self_attn`, called and returning as the host does."""
+    """Causal MHLA in place of a Llama-style `self_attn`, called and returning as the host does; its
+    projections and norms keep the host's names (q_proj, …, o_proj, q_norm, k_norm)."""
+
+    host_names = {"to_q": "q_proj", "to_k": "k_proj", "to_v": "v_proj", "to_out": "o_proj",
+                  "norm_q": "q_norm", "norm_k": "k_norm"}
 
     def __init__(self, host: nn.Module, config: MHLAConfig):
         head_dim = host.head_dim

@@ -213,6 +213,9 @@ class WanAdapter(DiffusersAdapter):
         return {**columns, **super().encode_conditions(pipe, transformer, rows, pixels, latents, spec)}
 
     # --- sampling --------------------------------------------------------------------------
+    def pipeline_tag(self, config) -> str:
+        return "image-to-video" if config["in_channels"] > config["out_channels"] else "text-to-video"
+
     def takes_first_frame(self, model) -> bool:
         return is_i2v(model)
 

@@ -60,6 +60,10 @@ def sample(
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="LMs: tokens to generate."),
     seed: int = typer.Option(0, "--seed"),
     device: Optional[str] = typer.Option(None, "--device"),
+    subfolder: Optional[str] = typer.Option(None, "--subfolder", help="The checkpoint's folder inside CHECKPOINT."),
+    adapter: Optional[Path] = typer.Option(
+        None, "--adapter", help="A LoRA adapter folder to merge in first (DIR/adapter of a `merge: false` run)."
+    ),
 ) -> None:
     """Sample from a converted checkpoint with its family's pipeline (or `generate` for LMs)."""
 
@@ -69,6 +73,7 @@ def sample(
         path = _sample(
             checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
             width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image,
+            lora_adapter=adapter, subfolder=subfolder,
         )
         typer.echo(f"wrote {path}")
 

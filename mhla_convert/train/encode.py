@@ -2,13 +2,15 @@
 layout: files plus `metadata.jsonl` with `file_name` and a caption or label column) go through the
 family's own VAE and text encoder (its pipeline's `encode_prompt`; for Wan image-to-video also the
 first frame's condition latents and CLIP image embeddings); text corpora are tokenized and
-packed to the context length. Results land in `cache_dir/<key>/` as safetensors shards; the key
-hashes everything that changes the tensors, so a second run with the same data skips encoding."""
+packed to the context length. Results land in `cache_dir/<key>/`, one safetensors file per column
+written batch by batch and read back memory-mapped (shards.py); the key hashes everything that
+changes the tensors, so a second run with the same data skips encoding."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +23,14 @@ from .recipe import DataSpec
 from .shards import load_shards, save_shards
 
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mov", ".avi", ".mkv", ".gif"}
+CACHE_LAYOUT = "column-files"  # in the key: caches of another layout are encoded afresh
 
 
 def _cache_key(spec: DataSpec, task: str, components: str | None, files: list[Path]) -> str:
     h = hashlib.sha256()
     fields = {k: getattr(spec, k) for k in ("kind", "height", "width", "num_frames", "caption_column", "label_column",
                                             "max_text_length", "text_column", "text_format", "context_length")}
-    h.update(json.dumps([task, components, __version__, fields], sort_keys=True, default=str).encode())
+    h.update(json.dumps([task, components, __version__, CACHE_LAYOUT, fields], sort_keys=True, default=str).encode())
     for f in files:
         stat = f.stat()
         h.update(f"{f}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -42,8 +45,8 @@ def _cached(spec: DataSpec, key: str, build) -> dict[str, torch.Tensor]:
     if (target / "meta.json").exists():
         print(f"reusing encoded data in {target}")
         return load_shards(target)
-    columns = build()
-    save_shards(columns, target, {"source": str(spec.path)})
+    save_shards(build(), target, {"source": str(spec.path)})
+    columns = load_shards(target)
     print(f"encoded {len(next(iter(columns.values())))} examples into {target}")
     return columns
 
@@ -89,30 +92,20 @@ def _read(path: Path, spec: DataSpec, video: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_folder(spec: DataSpec, adapter, transformer, components: str | None) -> dict[str, torch.Tensor]:
+def encode_folder(spec: DataSpec, adapter, transformer, components: str | None) -> Iterator[dict[str, torch.Tensor]]:
     """Every file of the folder through the family's VAE (`FamilyAdapter.encode_latents`), with its
-    conditioning (`encode_conditions`: text embeddings, class labels, ...)."""
+    conditioning (`encode_conditions`: text embeddings, class labels, ...): one batch of columns
+    per `encode_batch_size` files, float32 on the CPU."""
     root = Path(spec.path)
     rows = _metadata(root)
     pipe = pipeline(adapter.name, transformer, components)
     adapter.check_folder_spec(spec)
-    out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(rows), spec.encode_batch_size):
         chunk = rows[start : start + spec.encode_batch_size]
         pixels = torch.stack([_read(root / r["file_name"], spec, video=adapter.video) for r in chunk])
         columns = {"latents": adapter.encode_latents(pipe.vae, pixels)}
         columns.update(adapter.encode_conditions(pipe, transformer, chunk, pixels, columns["latents"], spec))
-        for k, v in columns.items():
-            out.setdefault(k, []).append((v.float() if v.is_floating_point() else v).cpu())
-    return {k: _pad_cat(v) for k, v in out.items()}
-
-
-def _pad_cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate along the batch, padding text lengths that differ between encode batches."""
-    if parts[0].ndim >= 2 and len({p.shape[1] for p in parts}) > 1 and parts[0].ndim <= 3:
-        length = max(p.shape[1] for p in parts)
-        parts = [torch.nn.functional.pad(p, (0, 0) * (p.ndim - 2) + (0, length - p.shape[1])) for p in parts]
-    return torch.cat(parts)
+        yield {k: (v.float() if v.is_floating_point() else v).cpu() for k, v in columns.items()}
 
 
 def cached_folder(spec: DataSpec, adapter, transformer, components: str | None) -> dict[str, torch.Tensor]:
@@ -172,4 +165,4 @@ def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.
 def cached_text(spec: DataSpec, adapter, model, components: str | None) -> dict[str, torch.Tensor]:
     files = _text_files(Path(spec.path))
     key = _cache_key(spec, adapter.cache_name(model), components, files)
-    return _cached(spec, key, lambda: pack_text(spec, model, components))
+    return _cached(spec, key, lambda: [pack_text(spec, model, components)])

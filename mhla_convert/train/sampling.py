@@ -1,7 +1,8 @@
 """`mhla-convert sample`: the family's own sampling (`FamilyAdapter.sample`): its diffusers pipeline
 around a converted transformer (PNG, or MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a
 first frame for I2V models), or `generate` for LMs. The other components come from the base model
-recorded in mhla_config.json, or are the tiny in-process ones for built-in tiny models."""
+recorded in mhla_config.json, or are the tiny in-process ones for built-in tiny models. A LoRA
+adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first when given."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import torch
 
 from ..families import adapter_for_family
 from .errors import TrainError
+from .lora import load_adapter
 
 
-def _load(checkpoint: Path, device):
+def _load(checkpoint: Path, device, subfolder: str | None = None):
     from .. import from_pretrained
     from ..io import read_mhla_config
 
+    if subfolder is not None:
+        if not (checkpoint / subfolder).is_dir():
+            raise TrainError(f"{checkpoint} has no subfolder {subfolder!r}: check --subfolder")
+        checkpoint = checkpoint / subfolder
     try:
         meta = read_mhla_config(checkpoint)
         model = from_pretrained(checkpoint, device=device)
@@ -28,10 +34,13 @@ def _load(checkpoint: Path, device):
 @torch.no_grad()
 def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 20, guidance_scale: float | None = None,
            height: int | None = None, width: int | None = None, num_frames: int | None = None, max_new_tokens: int = 32,
-           seed: int = 0, device: str | None = None, image=None) -> Path:
+           seed: int = 0, device: str | None = None, image=None, lora_adapter=None,
+           subfolder: str | None = None) -> Path:
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta, model = _load(Path(checkpoint), device)
+    meta, model = _load(Path(checkpoint), device, subfolder)
+    if lora_adapter is not None:
+        model = load_adapter(model, lora_adapter)
     adapter = adapter_for_family(meta["family"])
     first_frame = _first_frame(image, i2v=adapter.takes_first_frame(model))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,9 @@ from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
 from .errors import TrainError
+from .lora import add_lora, has_lora, remove_lora, save_adapter
 from .metrics import MetricsFile
-from .params import add_lora, has_lora, remove_lora, save_adapter, select_trainable
+from .params import select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
 from .validation import BEST_DIR, BestModel, HeldOut, SampleWriter, StageBest, heldout_dataset, split_off
@@ -485,7 +486,7 @@ class Trainer:
             if has_lora(model):
                 lora = self.recipe.stages[-1].lora
                 if not lora.merge:
-                    save_adapter(model, self.out / "adapter")
+                    save_adapter(model, self.out / "adapter", base=str(target))
                 remove_lora(model, merge=lora.merge)
             save_pretrained(model, target)
             self.log(f"saved {target}")

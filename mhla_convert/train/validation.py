@@ -31,8 +31,7 @@ def split_off(dataset: TensorData, fraction: float, seed: int) -> tuple[TensorDa
         raise ValueError(f"validation.split needs at least 2 examples; the data has {n}: use validation.path")
     held = min(max(1, math.ceil(fraction * n)), n - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    take = lambda idx: TensorData({k: v[idx] for k, v in dataset.columns.items()})  # noqa: E731
-    return take(order[held:].sort().values), take(order[:held].sort().values)
+    return dataset.subset(order[held:].sort().values), dataset.subset(order[:held].sort().values)
 
 
 def heldout_dataset(recipe: Recipe, adapter, model, components: str | None) -> TensorData:
