@@ -64,16 +64,22 @@ def has_lora(model: nn.Module) -> bool:
 
 
 def save_adapter(model: nn.Module, directory: Path) -> None:
-    """The LoRA weights alone, in PEFT's adapter layout (adapter_model.safetensors + config)."""
+    """The LoRA weights alone, in PEFT's adapter layout (adapter_model.safetensors + config), saved
+    atomically."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
+    from ..io import write_atomically
+
     state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(state, str(directory / "adapter_model.safetensors"))
     config = model._mhla_lora_config.to_dict()
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1, default=str))
+
+    def write(staging: Path) -> None:
+        save_file(state, str(staging / "adapter_model.safetensors"))
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=1, default=str))
+
+    write_atomically(directory, write)
 
 
 def remove_lora(model: nn.Module, merge: bool) -> None:
