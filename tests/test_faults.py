@@ -227,3 +227,19 @@ def test_checkpoint_rotation_keeps_only_complete_checkpoints(tmp_path):
     (root / ".step-00000003.tmp-save").mkdir()  # a killed save
     train(parse_recipe(RECIPE, overrides=["keep_checkpoints=2"]), out, **QUIET)
     assert _listing(root) == ["step-00000004", "step-00000006"]
+
+
+# --- evaluation output -----------------------------------------------------------------------------
+
+
+def test_a_killed_evaluation_does_not_block_the_next_one(tmp_path):
+    from mhla_convert.evaluate.report import write
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "eval.json").write_text("{}")
+    (out / ".eval.json.k3y9x0_a.tmp").write_text('{"model": ')  # killed mid-write
+    result = {"model": {"loss": 1.0}, "meta": {"family": "dit", "data": {"kind": "synthetic"}, "num_examples": 1,
+                                               "seed": 0, "model": "m"}}
+    write(result, out)
+    assert _listing(out) == ["eval.json", "summary.md"]
