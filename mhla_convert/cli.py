@@ -140,8 +140,9 @@ def convert_command(
         typer.echo(str(report))
         target = out or _default_out(model)
         with _step(f"saving to {target}"):
-            saved = save_pretrained(base, target)
-            companions = save_companions(source, saved)
+            companions: list[str] = []
+            saved = save_pretrained(  # the tokenizer etc. are part of the same atomic save
+                base, target, extra=lambda folder: companions.extend(save_companions(source, folder)))
         typer.echo(f"saved: {saved}" + (f" (with the base model's {' and '.join(companions)})" if companions else ""))
         if push:
             _push(saved, push, private)

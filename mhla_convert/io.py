@@ -11,16 +11,22 @@ then load the state dict strictly with `assign=True`. A checkpoint directory hol
                          chosen and, for strategy "auto", every layer's sensitivity), every MHLA
                          option, package version
 
-Writes are atomic: everything goes to a temporary sibling directory, `mhla_config.json` last, and
-only a complete directory is renamed into place.
+Writes are atomic: everything goes to a hidden sibling `.NAME.tmp-*`, `mhla_config.json` last, and
+only a complete directory is renamed into place; a checkpoint it replaces is first renamed aside to
+`.NAME.old-*` and removed after. A failed save removes its staging folder. What a killed process
+leaves (one writer per target is assumed) is settled at the next load or save of that target: stale
+staging folders are removed (at the next save), and a checkpoint renamed aside is put back when the
+target is missing (a kill between the two renames), else removed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 import uuid
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,8 @@ from .families import adapter_for_family
 from .layer import mhla_layers
 from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
 from .placement import place_model
+
+logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
@@ -88,39 +96,85 @@ def _restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
             module._buffers[key] = module._buffers[key].to(getattr(torch, dtype))
 
 
-def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size) -> None:
+def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size, extra) -> None:
     adapter = adapter_for_family(meta["family"])
     (directory / "config.json").write_text(json.dumps(adapter.model_config(model), indent=2, sort_keys=True))
     save_torch_state_dict(
         model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
     )
+    if extra is not None:
+        extra(directory)
     (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
 
 
-def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
-    """Save a converted model to `directory` atomically; an existing MHLA checkpoint there is replaced."""
+def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB", extra=None) -> Path:
+    """Save a converted model to `directory` atomically; an existing MHLA checkpoint there is replaced.
+    `extra(folder)`, when given, writes further files (a tokenizer, …) into the checkpoint before it
+    is complete, so they are part of the same atomic save."""
     meta = mhla_metadata(model)
     json.dumps(meta)  # fail before writing anything if an option (a callable feature map) is not JSON
     target = Path(directory).expanduser().resolve()
+    recover_interrupted_save(target)
     if target.exists():
         if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
             raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
+    return write_atomically(target, lambda staging: _write_checkpoint(model, staging, meta, max_shard_size, extra))
+
+
+def write_atomically(target: Path, write) -> Path:
+    """Have `write(staging)` fill a hidden sibling folder, then move it to `target` (replacing a
+    folder there); on any failure, KeyboardInterrupt included, the staging folder is removed."""
+    target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    recover_interrupted_save(target)
+    for stale in _leftovers(target, _staging_prefix(target)):  # left by a killed save of this target
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target), dir=target.parent))
     try:
-        _write_checkpoint(model, staging, meta, max_shard_size)
-        _swap_into_place(staging, target)
+        write(staging)
+        swap_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
 
 
-def _swap_into_place(staging: Path, target: Path) -> None:
+def _staging_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-"
+
+
+def _aside_prefix(target: Path) -> str:
+    return f".{target.name}.old-"
+
+
+def _leftovers(target: Path, prefix: str) -> list[Path]:
+    """Hidden siblings of `target` named `prefix*`, oldest first."""
+    if not target.parent.is_dir():
+        return []
+    return sorted(target.parent.glob(glob_escape(prefix) + "*"), key=lambda p: p.stat().st_mtime)
+
+
+def recover_interrupted_save(target) -> None:
+    """A replacing save renames the old checkpoint aside, then the new one into place: when a kill
+    came between the two, put the old one back (saying so); a copy left aside beside a present
+    target is removed."""
+    target = Path(target)
+    aside = _leftovers(target, _aside_prefix(target))
+    if aside and not target.exists():
+        restored = aside.pop()  # the newest one
+        restored.rename(target)
+        logger.warning("recovered %s from %s, left there by a save that was cut off", target, restored.name)
+    for old in aside:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def swap_into_place(staging: Path, target: Path) -> None:
+    """Rename the complete folder `staging` to `target`; a folder already there is renamed aside
+    first (`recover_interrupted_save` puts it back after a kill between the two renames) and removed."""
     if not target.exists():
         staging.rename(target)
         return
-    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    old = target.with_name(f"{_aside_prefix(target)}{uuid.uuid4().hex[:8]}")
     target.rename(old)
     try:
         staging.rename(target)
@@ -187,6 +241,7 @@ def host_named_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
 
 def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
+    recover_interrupted_save(path)
     if path.is_dir():
         return path
     if path.exists() or "/" not in str(dir_or_hub_id) or not HUB_ID.match(str(dir_or_hub_id)):

@@ -126,7 +126,8 @@ def _assert_one_line_exit_2(result, *fragments):
 
 
 def _files(directory):
-    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+    """Every entry under `directory` (folders too, hidden ones included) with its bytes."""
+    return {p.relative_to(directory): p.read_bytes() if p.is_file() else None for p in sorted(directory.rglob("*"))}
 
 
 def test_converting_a_hub_id_with_the_network_down_is_one_line(tmp_path, monkeypatch):

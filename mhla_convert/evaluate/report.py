@@ -21,12 +21,18 @@ SAMPLE_FILES = ("samples.png", "samples.mp4")
 PREVIOUS_EVAL_FILES = {EVAL_JSON, SUMMARY_MD, *SAMPLE_FILES}  # replaced by a new evaluation
 
 
+def _stale_temporary(name: str) -> bool:
+    """A temporary file of `_atomic_write` that a killed evaluation left (removed by the next one)."""
+    return name.endswith(".tmp") and any(name.startswith(f".{kept}.") for kept in (EVAL_JSON, SUMMARY_MD))
+
+
 def check_out_dir(out_dir: Path) -> None:
     """Refuse a directory holding anything but a previous evaluation's files (nothing is overwritten)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise EvalError(f"{out_dir} is a file; give a directory for the evaluation's output (--out)")
     if out_dir.is_dir():
-        other = sorted(p.name for p in out_dir.iterdir() if p.name not in PREVIOUS_EVAL_FILES)
+        other = sorted(p.name for p in out_dir.iterdir()
+                       if p.name not in PREVIOUS_EVAL_FILES and not _stale_temporary(p.name))
         if other:
             raise EvalError(f"{out_dir} already holds {', '.join(other[:3])}{' …' if len(other) > 3 else ''}, "
                             "not a previous evaluation: give a new or empty output directory")
@@ -107,6 +113,8 @@ def write(result: dict, out_dir: Path) -> Path:
     """eval.json and summary.md into `out_dir` (checked with `check_out_dir` first); returns eval.json's path."""
     check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (p for p in out_dir.iterdir() if _stale_temporary(p.name)):
+        stale.unlink()
     _atomic_write(out_dir / EVAL_JSON, json.dumps(result, indent=2) + "\n")
     _atomic_write(out_dir / SUMMARY_MD, summary_markdown(result))
     return out_dir / EVAL_JSON

@@ -48,25 +48,30 @@ def has_lora(model: nn.Module) -> bool:
 
 def save_adapter(model: nn.Module, directory: Path, base: str | None = None) -> None:
     """The LoRA weights alone: PEFT's adapter layout, and diffusers' where the family's pipeline
-    loads LoRA (see the module docstring). `base`: the model the adapter belongs on (recorded as
-    the adapter config's base_model_name_or_path)."""
+    loads LoRA (see the module docstring), saved atomically. `base`: the model the adapter belongs on
+    (recorded as the adapter config's base_model_name_or_path)."""
     import copy
 
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True, exist_ok=True)
+    from ..io import write_atomically
+
     state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file({PEFT_PREFIX + k: v for k, v in state.items()}, str(directory / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
     config = copy.copy(model._mhla_lora_config)
     config.base_model_name_or_path = base
-    config.save_pretrained(str(directory))
     pipeline = _lora_pipeline(model)
-    if pipeline is not None:
-        metadata = json.loads((directory / "adapter_config.json").read_text())
-        pipeline.save_lora_weights(directory, transformer_lora_layers=state,
-                                   transformer_lora_adapter_metadata=metadata)
+
+    def write(staging: Path) -> None:
+        save_file({PEFT_PREFIX + k: v for k, v in state.items()}, str(staging / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(str(staging))
+        if pipeline is not None:
+            metadata = json.loads((staging / "adapter_config.json").read_text())
+            pipeline.save_lora_weights(staging, transformer_lora_layers=state,
+                                       transformer_lora_adapter_metadata=metadata)
+
+    write_atomically(directory, write)
 
 
 def _lora_pipeline(model: nn.Module):

@@ -166,6 +166,9 @@ class Trainer:
         )
         acc = self.accelerator
         _refuse_unhonoured_precision(acc, recipe)
+        if resume and acc.is_main_process:
+            checkpoints.recover(self.out)
+        acc.wait_for_everyone()
         self.resume_from = checkpoints.latest(self.out, __version__) if resume else None
         if not resume and checkpoints.checkpoint_dir(self.out).exists():
             raise TrainError(
