@@ -290,7 +290,6 @@ def _line(data, *path):
 
 def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     from ..families import families
-    from ..layer import MHLAConfig
 
     m = recipe.model
     if m.family is not None and m.family not in families():
@@ -312,14 +311,7 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if m.name and recipe.conversion is None:
         recipe.conversion = ConversionSpec()
     if recipe.conversion:
-        known = {f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}
-        for key in recipe.conversion.options:
-            if key not in known:
-                raise ctx.fail(
-                    f"conversion.options.{key}",
-                    _line(raw, "conversion", "options", key),
-                    f"unknown MHLA option; allowed: {', '.join(sorted(known))}",
-                )
+        _check_conversion(recipe.conversion, raw, ctx)
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
             raise ctx.fail(
                 "conversion.ratio",
@@ -378,6 +370,28 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
     _check_optimizer(recipe, raw, ctx)
     _check_validation(recipe, raw, ctx)
+
+
+def _check_conversion(c: ConversionSpec, raw, ctx: _Ctx) -> None:
+    """The conversion options, each by the checks `convert` runs (options.py), at its own line; what
+    needs the model (layer range, blocks against the token grid) is checked once its config is known."""
+    from ..layer import MHLAConfig
+    from ..options import USER_OPTIONS, parse_blocks, parse_layers
+
+    for key, value in c.options.items():
+        where = _line(raw, "conversion", "options", key)
+        if key not in USER_OPTIONS:
+            allowed = ", ".join(USER_OPTIONS)
+            raise ctx.fail(f"conversion.options.{key}", where, f"unknown MHLA option; allowed: {allowed}")
+        try:
+            MHLAConfig(**{key: value})
+        except ValueError as exc:
+            raise ctx.fail(f"conversion.options.{key}", where, str(exc)) from None
+    for key, parse in (("blocks", parse_blocks), ("layers", parse_layers)):
+        try:
+            parse(getattr(c, key))
+        except ValueError as exc:
+            raise ctx.fail(f"conversion.{key}", _line(raw, "conversion", key), str(exc)) from None
 
 
 def _check_optimizer(recipe: Recipe, raw, ctx: _Ctx) -> None:
