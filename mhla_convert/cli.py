@@ -104,7 +104,7 @@ def convert_command(
 ) -> None:
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
     from .convert import check_conversion, convert
-    from .io import save_pretrained
+    from .io import check_save_target, save_pretrained
     from .models import load_source, resolve, save_companions, source_meta_model
     from .options import check_options
     from .placement import parse_dtype
@@ -128,6 +128,8 @@ def convert_command(
             raise ValueError(f"--fit-steps must be >= 0; got {fit_steps}")
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
+        target = out or _default_out(model)
+        check_save_target(target)
         source = resolve(model, revision=revision)
         skeleton = source_meta_model(source)  # the options against the model's config, before its weights load
         if skeleton is not None:
@@ -140,7 +142,6 @@ def convert_command(
         with _step("converting"):
             report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps, **options)
         typer.echo(str(report))
-        target = out or _default_out(model)
         with _step(f"saving to {target}"):
             saved = save_pretrained(base, target)
             companions = save_companions(source, saved)

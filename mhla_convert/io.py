@@ -101,10 +101,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = 
     """Save a converted model to `directory` atomically; an existing MHLA checkpoint there is replaced."""
     meta = mhla_metadata(model)
     json.dumps(meta)  # fail before writing anything if an option (a callable feature map) is not JSON
-    target = Path(directory).expanduser().resolve()
-    if target.exists():
-        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
-            raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
+    target = check_save_target(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
@@ -113,6 +110,15 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return target
+
+
+def check_save_target(directory) -> Path:
+    """The resolved directory `save_pretrained` may write: new, empty or an MHLA checkpoint (replaced)."""
+    target = Path(directory).expanduser().resolve()
+    if target.exists():
+        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
+            raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
     return target
 
 
@@ -149,6 +155,10 @@ def read_mhla_config(directory) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)} (or holds the wrong type there): the file is damaged; "
                          "restore it, or save the model again with save_pretrained")
+    try:
+        adapter_for_family(meta["family"])
+    except ValueError as error:
+        raise ValueError(f"{path}: {one_line(error)}") from None
     return meta
 
 
