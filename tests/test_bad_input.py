@@ -138,6 +138,17 @@ def test_convert_api_refuses_and_leaves_the_model_alone(name, options, message):
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(blocks="22"), "blocks must be whole numbers"),
+    (dict(blocks=(4.0, 4)), "blocks must be whole numbers"),
+    (dict(window=2.5), "window must be a whole number"),
+    (dict(output_norm="no"), "output_norm must be true or false"),
+])
+def test_layer_config_refuses_what_it_would_truncate(options, message):
+    with pytest.raises(ValueError, match=message):
+        mhla_convert.MHLAConfig(**options)
+
+
 def test_converting_twice_is_refused():
     model = tiny_model("tiny-dit")
     convert(model, ratio=0.5)
@@ -177,6 +188,9 @@ RECIPE_SETS = [
     ("schedule.warmup_steps=-1", ["schedule.warmup_steps: must be ≥ 0"]),
     ("objective.flow_shift=-3.0", ["objective.flow_shift: must be a finite number > 0"]),
     ("model.family=ditt", ["model.family: unknown family 'ditt'"]),
+    ("data.height=0", ["data.height: must be ≥ 1; got 0"]),
+    ("data.latent_size=[8]", ["data.latent_size: give the latent height and width"]),
+    ("data.num_workers=-1", ["data.num_workers: must be ≥ 0"]),
 ]
 
 

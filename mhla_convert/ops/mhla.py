@@ -25,6 +25,9 @@ from .dispatch import available_backends, select
 from .feature_maps import FeatureMap, resolve_feature_map
 
 Backend = Literal["auto", "torch", "triton"]
+# Names always accepted as options: a model saved for "triton" still loads where Triton is missing
+# (its first call then says so); other names must be registered backends.
+BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def check_options(*, feature_map, normalize, scale, eps, backend) -> None:
@@ -37,8 +40,9 @@ def check_options(*, feature_map, normalize, scale, eps, backend) -> None:
         raise ValueError(f"scale must be a finite number > 0, or None for D ** -0.5; got {scale!r}")
     if not (_real(eps) and eps > 0 and math.isfinite(eps)):
         raise ValueError(f"eps must be a finite number > 0 (e.g. 1e-6); got {eps!r}")
-    if backend not in ("auto", "torch") and (not isinstance(backend, str) or backend not in available_backends()):
-        raise ValueError(f"backend must be one of {['auto', *available_backends()]}; got {backend!r}")
+    if backend not in BACKEND_NAMES and (not isinstance(backend, str) or backend not in available_backends()):
+        names = ["auto", *sorted(set(BACKEND_NAMES[1:]) | set(available_backends()))]
+        raise ValueError(f"backend must be one of {names}; got {backend!r}")
 
 
 def _real(value) -> bool:

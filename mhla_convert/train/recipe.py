@@ -324,9 +324,15 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     d = recipe.data
     if d.kind != "synthetic" and not d.path:
         raise ctx.fail("data.path", _line(raw, "data"), f"data.kind {d.kind!r} needs data.path (a directory or file)")
-    for key in ("batch_size", "num_samples", "context_length", "encode_batch_size"):
+    for key in ("batch_size", "num_samples", "context_length", "encode_batch_size", "height", "width", "num_frames",
+                "latent_frames", "max_text_length"):
         if getattr(d, key) < 1:
-            raise ctx.fail(f"data.{key}", _line(raw, "data", key), "must be ≥ 1")
+            raise ctx.fail(f"data.{key}", _line(raw, "data", key), f"must be ≥ 1; got {getattr(d, key)}")
+    if d.num_workers < 0:
+        raise ctx.fail("data.num_workers", _line(raw, "data", "num_workers"), f"must be ≥ 0; got {d.num_workers}")
+    if d.latent_size is not None and (len(d.latent_size) != 2 or min(d.latent_size) < 1):
+        raise ctx.fail("data.latent_size", _line(raw, "data", "latent_size"),
+                       f"give the latent height and width, e.g. [32, 32]; got {d.latent_size}")
     if not recipe.stages:
         raise ctx.fail("stages", _line(raw, "stages"), "give at least one stage: attention_transfer and/or finetune")
     for i, stage in enumerate(recipe.stages):
