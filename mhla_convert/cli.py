@@ -65,6 +65,14 @@ def _int_list(text: str | None, option: str, what: str, example: str) -> list[in
         raise ValueError(f"{option} must be comma-separated {what} like {example}; got {text!r}") from None
 
 
+def _number_or_name(text: str) -> float | str:
+    """A number where the text is one (a blend weight), else the text (a name)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _default_out(model: str) -> Path:
     return Path(re.sub(r"[^\w.-]+", "-", Path(model.rstrip("/")).name).strip("-") + "-mhla")
 
@@ -101,24 +109,21 @@ def convert_command(
     private: bool = typer.Option(False, help="With --push: create the repo private."),
 ) -> None:
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
-    from .convert import convert, parse_blocks
-    from .io import save_pretrained
-    from .models import load_source, resolve, save_companions
-    from .options import ATTENTIONS
+    from .convert import check_conversion, convert
+    from .io import check_save_target, save_pretrained
+    from .models import load_source, resolve, save_companions, source_meta_model
+    from .options import check_options
     from .placement import parse_dtype
-    from .plan import AUTO_NEEDS_CALIBRATION, check_selection
+    from .plan import AUTO_NEEDS_CALIBRATION
 
     try:  # check every option before a possibly long download
-        options = dict(layers=_int_list(layers, "--layers", "layer indices", "1,4,7"), blocks=parse_blocks(blocks),
-                       attention=attention, fit_steps=fit_steps)
+        options = dict(layers=_int_list(layers, "--layers", "layer indices", "1,4,7"), blocks=blocks,
+                       attention=attention)
         if mixing_init is not None:
-            options["mixing_init"] = float(mixing_init) if re.fullmatch(r"[\d.]+", mixing_init) else mixing_init
+            options["mixing_init"] = _number_or_name(mixing_init)
         torch_dtype = parse_dtype(dtype)
-        if attention not in ATTENTIONS:
-            raise ValueError(f"--attention must be one of {', '.join(ATTENTIONS)}; got {attention!r}")
+        check_options(ratio=ratio, strategy=strategy, **options)
         auto = options["layers"] is None and strategy == "auto"
-        if options["layers"] is None:
-            check_selection(ratio, strategy)
         if auto and calibration is None:
             raise ValueError(AUTO_NEEDS_CALIBRATION)
         if calibration is not None and not auto:
@@ -129,16 +134,20 @@ def convert_command(
             raise ValueError(f"--fit-steps must be >= 0; got {fit_steps}")
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
+        target = out or _default_out(model)
+        check_save_target(target)
         source = resolve(model, revision=revision, subfolder=subfolder, config=config)
+        skeleton = source_meta_model(source)  # the options against the model's config, before its weights load
+        if skeleton is not None:
+            check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
         with _step(f"loading {source.describe()}"):
             base = load_source(source, torch_dtype=torch_dtype)
         if auto:
             with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
                 options["calibration"] = _calibration(base, calibration, calibration_batches)
         with _step("converting"):
-            report = convert(base, ratio=ratio, strategy=strategy, **options)
+            report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps, **options)
         typer.echo(str(report))
-        target = out or _default_out(model)
         with _step(f"saving to {target}"):
             companions: list[str] = []
             saved = save_pretrained(  # the tokenizer etc. are part of the same atomic save

@@ -9,11 +9,13 @@ from typing import Any, Iterable
 from torch import nn
 
 from .families import adapter_for_model
-from .options import parse_blocks, resolve_config
-from .plan import AUTO_NEEDS_CALIBRATION, check_selection, plan_layers
+from .layer import MHLAConfig
+from .ops.blocks import whole_number
+from .options import check_options, parse_blocks, resolve_config
+from .plan import AUTO_NEEDS_CALIBRATION, plan_layers
 from .sensitivity import layer_sensitivity
 
-__all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "convert", "parse_blocks"]
+__all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
 
 PLAN_ATTR = "mhla_plan"  # set on a converted model: everything save/reload needs to redo it
 
@@ -78,21 +80,20 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
     fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
     """
+    config = check_conversion(model, ratio=ratio, strategy=strategy, layers=layers, blocks=blocks,
+                              attention=attention, **mhla_options)
     adapter = adapter_for_model(model)
-    if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
-        raise ValueError("this model is already converted; load the original to convert it again")
     num_layers = len(adapter.attention_modules(model))
-    if layers is None:
-        check_selection(ratio, strategy)
     auto = layers is None and strategy == "auto"
     if auto and calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
     if not auto and calibration is not None:
         raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); "
                          "drop it or use strategy='auto'")
+    if whole_number(fit_steps) is None or fit_steps < 0:
+        raise ValueError(f"fit_steps must be a whole number ≥ 0; got {fit_steps!r}")
     if not auto and fit_steps:
         raise ValueError("fit_steps only fits layers while strategy 'auto' scores them; drop it or use strategy='auto'")
-    config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
     sensitivity = None
     if auto:
         sensitivity = layer_sensitivity(model, calibration, config, fit_steps=fit_steps, progress=progress)
@@ -112,6 +113,20 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
         "attention": attention, "strategy": chosen_by, "sensitivity": sensitivity,
     })
     return report
+
+
+def check_conversion(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None,
+                     attention: str = "mhla", **mhla_options) -> MHLAConfig:
+    """Check every option of `convert(model, ...)` against the model's family and config, changing
+    nothing: the resolved MHLAConfig, or a ValueError naming the option and the fix. A model built on
+    the meta device from its config is enough, so this runs before any weights load."""
+    check_options(ratio=ratio, strategy=strategy, layers=layers, blocks=blocks, attention=attention, **mhla_options)
+    adapter = adapter_for_model(model)
+    if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
+        raise ValueError("this model is already converted; load the original to convert it again")
+    if layers is not None:
+        plan_layers(len(adapter.attention_modules(model)), layers=layers)
+    return resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Any]) -> ConversionReport:

@@ -33,20 +33,21 @@ from typing import Any
 import torch
 from accelerate import init_empty_weights
 from huggingface_hub import save_torch_state_dict
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
 from .layer import mhla_layers
-from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable
-from .placement import place_model
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable, one_line, read_json
+from .placement import check_device, parse_dtype, place_model
 
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+REQUIRED_KEYS = {"family": str, "plan": dict, "mhla": dict}  # in mhla_config.json, beside format_version
 
 
 def _package_version() -> str:
@@ -113,11 +114,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = 
     is complete, so they are part of the same atomic save."""
     meta = mhla_metadata(model)
     json.dumps(meta)  # fail before writing anything if an option (a callable feature map) is not JSON
-    target = Path(directory).expanduser().resolve()
-    recover_interrupted_save(target)
-    if target.exists():
-        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
-            raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
+    target = check_save_target(directory)
     return write_atomically(target, lambda staging: _write_checkpoint(model, staging, meta, max_shard_size, extra))
 
 
@@ -136,6 +133,17 @@ def write_atomically(target: Path, write) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return target
+
+
+def check_save_target(directory) -> Path:
+    """The resolved directory `save_pretrained` may write: new, empty or an MHLA checkpoint (replaced).
+    A save of it that was cut off between its two renames is recovered first."""
+    target = Path(directory).expanduser().resolve()
+    recover_interrupted_save(target)
+    if target.exists():
+        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
+            raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
     return target
 
 
@@ -191,11 +199,22 @@ def read_mhla_config(directory) -> dict[str, Any]:
             f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
             f"(a base model? convert it first: `mhla-convert {directory}`)"
         )
-    meta = json.loads(path.read_text())
+    meta = read_json(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads {FORMAT_VERSION}"
         )
+    missing = [key for key, kind in REQUIRED_KEYS.items() if not isinstance(meta.get(key), kind)]
+    plan, mhla = meta.get("plan"), meta.get("mhla")
+    missing += [f"plan.{key}" for key in ("num_layers", "layers") if isinstance(plan, dict) and key not in plan]
+    missing += [f"mhla.{key}" for key in ("blocks", "causal") if isinstance(mhla, dict) and key not in mhla]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)} (or holds the wrong type there): the file is damaged; "
+                         "restore it, or save the model again with save_pretrained")
+    try:
+        adapter_for_family(meta["family"])
+    except ValueError as error:
+        raise ValueError(f"{path}: {one_line(error)}") from None
     return meta
 
 
@@ -209,15 +228,21 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     would differ in the last bits from the model that was saved."""
     index = directory / WEIGHTS_INDEX
     if index.is_file():
-        data = json.loads(index.read_text())
+        data = read_json(index)
+        if not isinstance(data.get("weight_map"), dict):
+            raise ValueError(f"{index} has no weight_map: the file is damaged; save or download the checkpoint again")
         files, metadata = sorted(set(data["weight_map"].values())), data.get("metadata", {})
     else:
         files, metadata = [WEIGHTS_PATTERN.format(suffix="")], None
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(directory / name, framework="pt") as f:
-            metadata = metadata if metadata is not None else f.metadata() or {}
-            state.update({key: f.get_tensor(key).clone() for key in f.keys()})
+        try:
+            with safe_open(directory / name, framework="pt") as f:
+                metadata = metadata if metadata is not None else f.metadata() or {}
+                state.update({key: f.get_tensor(key).clone() for key in f.keys()})
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{directory / name} cannot be read ({one_line(error)}): the weights are missing, "
+                             "truncated or damaged; save or download the checkpoint again") from None
     for alias, kept in (metadata or {}).items():
         if kept in state and alias not in state:
             state[alias] = state[kept]
@@ -258,13 +283,17 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
 
 def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: str | None = None) -> nn.Module:
     """Rebuild exactly the converted model saved by `save_pretrained` (a directory or hub id)."""
+    check_device(device)
+    parse_dtype(torch_dtype)
     directory = _local_checkpoint(dir_or_hub_id, revision)
     meta = read_mhla_config(directory)
-    adapter = adapter_for_family(meta["family"])
-    config = json.loads((directory / "config.json").read_text())
+    config = read_json(directory / "config.json")
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
-        model = adapter.build(config)
-        apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+        try:
+            model = adapter_for_family(meta["family"]).build(config)
+            apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+        except ValueError as error:  # a family, plan or option the file should not hold
+            raise ValueError(f"{directory / MHLA_CONFIG}: {one_line(error)}") from None
     try:
         model.load_state_dict(host_named_keys(model, load_state_dict(directory)), strict=True, assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes

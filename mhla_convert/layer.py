@@ -14,7 +14,7 @@ from typing import Callable, ClassVar, Literal
 import torch
 from torch import nn
 
-from .mixing import MixingInit, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
+from .mixing import MixingInit, check_mixing_init, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
 from .ops import (
     ExactLocalState,
     MHLAState,
@@ -24,8 +24,9 @@ from .ops import (
     mhla_attention,
     mhla_recurrent_step,
 )
-from .ops.blocks import as_axes
+from .ops.blocks import as_axes, whole_number
 from .ops.feature_maps import drop_keys
+from .ops.mhla import check_options
 
 # (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
 # x (B, N, H·D) → (B, N, H, D) normed across heads and rotated in one pass (Wan's, ops.rotary.InterleavedRotary).
@@ -63,15 +64,27 @@ class MHLAConfig:
     backend: str = "auto"
 
     def __post_init__(self):
+        """Every field is checked here, so each way in (the Python API, the CLI, recipes, a saved
+        mhla_config.json) refuses the same bad values with the same message, before any layer exists."""
         if self.blocks is not None:
             self.blocks = as_axes("blocks", self.blocks)
+        for name in ("causal", "learnable_mixing", "per_head_mixing", "output_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        for name in ("chunk_size", "window"):
+            value = getattr(self, name)
+            if whole_number(value) is None or value < 1:
+                raise ValueError(f"{name} must be a whole number ≥ 1; got {value!r}")
         if self.rope not in ("before_feature_map", "none"):
             raise ValueError(f"rope must be 'before_feature_map' or 'none'; got {self.rope!r}")
-        if self.chunk_size < 1 or self.window < 1:
-            raise ValueError(f"chunk_size and window must be ≥ 1; got {self.chunk_size}, {self.window}")
-        if self.exact_chunks and not (self.causal and 0 < self.exact_chunks < self.window and self.normalize):
+        check_mixing_init(self.mixing_init)
+        check_options(feature_map=self.feature_map, normalize=self.normalize, scale=self.scale, eps=self.eps,
+                      backend=self.backend)
+        if whole_number(self.exact_chunks) is None or self.exact_chunks < 0:
+            raise ValueError(f"exact_chunks must be a whole number ≥ 0; got {self.exact_chunks!r}")
+        if self.exact_chunks and not (self.causal and self.exact_chunks < self.window and self.normalize):
             raise ValueError(
-                f"exact_chunks={self.exact_chunks} needs a causal, normalised layer and 0 ≤ exact_chunks < window "
+                f"exact_chunks={self.exact_chunks} needs a causal, normalised layer and exact_chunks < window "
                 f"(window={self.window}); use exact_chunks=0 or raise window")
 
     def to_dict(self) -> dict:

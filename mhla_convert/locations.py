@@ -1,11 +1,14 @@
 """Names loading and saving share: the attribute recording where a model came from, the file that
-marks an MHLA checkpoint, what a hub id looks like, what reaching the Hub can raise, and the error
-for an unreachable hub."""
+marks an MHLA checkpoint, what a hub id looks like, what reaching the Hub can raise, the error
+for an unreachable hub, and reading a JSON file that may be damaged."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 MHLA_CONFIG = "mhla_config.json"
@@ -42,3 +45,18 @@ def hub_unreachable(repo_id: str, error: Exception) -> OSError:
         "check the network, or set HF_HUB_OFFLINE=1 and pass a local directory instead "
         "(a model saved with save_pretrained, or a pipeline folder with transformer/)"
     )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; a missing, unreadable or malformed file is a one-line ValueError naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing: the checkpoint or model directory is incomplete") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({one_line(error)}): the file is damaged; "
+                         "save or download it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}: the file is damaged; "
+                         "save or download it again")
+    return data

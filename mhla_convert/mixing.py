@@ -71,14 +71,20 @@ def initial_mixing(init: MixingInit, blocks, *, dtype=torch.float32) -> torch.Te
     return _blend(init, local, uniform_mixing(local.shape[0], dtype=torch.float64)).to(dtype)
 
 
+def check_mixing_init(init: MixingInit) -> None:
+    if init in ("locality", "uniform") and isinstance(init, str):
+        return
+    if not (isinstance(init, (int, float)) and not isinstance(init, bool) and 0.0 <= init <= 1.0):
+        raise ValueError(f"mixing_init must be 'locality', 'uniform' or a blend weight in [0, 1]; got {init!r}")
+
+
 def _blend(init: MixingInit, local: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    check_mixing_init(init)
     if init == "locality":
         return local
     if init == "uniform":
         return uniform
-    if isinstance(init, (int, float)) and not isinstance(init, bool) and 0.0 <= init <= 1.0:
-        return init * local + (1.0 - init) * uniform
-    raise ValueError(f"mixing_init must be 'locality', 'uniform' or a blend weight in [0, 1]; got {init!r}")
+    return init * local + (1.0 - init) * uniform
 
 
 def toeplitz_causal_mixing(relative: torch.Tensor, num_blocks: int) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
-from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_ERRORS, hub_unreachable
-from .placement import keep_fp32_modules, parse_dtype, place_model
+from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_ERRORS, hub_unreachable, read_json
+from .placement import check_device, keep_fp32_modules, parse_dtype, place_model
 
 PIPELINE_SUBFOLDER = "transformer"
 # The weight files diffusers' `from_pretrained` reads by default (no variant), single or sharded.
@@ -51,6 +51,7 @@ def tiny_models() -> dict[str, tuple[str, dict[str, Any]]]:
 
 def tiny_model(name: str, *, seed: int = 0, torch_dtype=None, device=None) -> nn.Module:
     """A built-in tiny model with reproducible random weights (the global RNG is left untouched)."""
+    check_device(device)
     models = tiny_models()
     if name not in models:
         raise ValueError(f"unknown tiny model {name!r}; built-in: {', '.join(models)}")
@@ -98,7 +99,7 @@ def _local_source(path: Path, subfolder: str | None = None) -> Source:
         config = path / (folder or "") / "config.json"
         if config.is_file():
             files = frozenset(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
-            return Source("local", str(path), folder, config=json.loads(config.read_text()), files=files)
+            return Source("local", str(path), folder, config=read_json(config), files=files)
     if subfolder is not None:
         raise ValueError(f"{path / subfolder} holds no config.json: not a model folder")
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
@@ -167,8 +168,29 @@ def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None
                subfolder: str | None = None, config: str | None = None) -> nn.Module:
     """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory, hub id or
     weights file (see `resolve`)."""
+    check_device(device)
+    parse_dtype(torch_dtype)
     return load_source(resolve(spec, revision=revision, subfolder=subfolder, config=config),
                        torch_dtype=torch_dtype, device=device)
+
+
+def meta_model(adapter, config: dict[str, Any]) -> nn.Module:
+    """The model `config` describes with its parameters on the meta device (no weights read, no
+    init): what options are checked against before a download or a load."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return adapter.build(config)
+
+
+def source_meta_model(source: Source) -> nn.Module | None:
+    """`source`'s model on the meta device, from its config alone; None for a converted checkpoint."""
+    if source.kind == "converted":
+        return None
+    if source.kind == "tiny":
+        family, config = tiny_models()[source.location]
+        return meta_model(adapter_for_family(family), config)
+    return meta_model(adapter_for_config(source.config), source.config)
 
 
 def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:

@@ -12,21 +12,44 @@ attention="linear": plain linear attention, the baseline MHLA improves on. One b
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from .layer import MHLAConfig
+from .ops.blocks import as_axes
+from .plan import check_selection, parse_layers
 
 ATTENTIONS = ("mhla", "linear")
+USER_OPTIONS = tuple(sorted({f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}))
 
 
 def parse_blocks(blocks) -> tuple[int, ...] | None:
-    if blocks is None or isinstance(blocks, tuple):
-        return blocks
+    """'4x4', '7x3x5', (4, 4) or [4, 4] → a tuple of whole numbers ≥ 1; None (the family's default) stays."""
+    if blocks is None:
+        return None
     if isinstance(blocks, str):
-        try:
-            return tuple(int(b) for b in blocks.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"blocks must look like '4x4' or '7x3x5'; got {blocks!r}") from None
-    return tuple(int(b) for b in blocks)
+        if not re.fullmatch(r"\d+(x\d+){0,2}", blocks.strip().lower()):
+            raise ValueError(f"blocks must look like '4x4' or '7x3x5' (blocks per grid axis); got {blocks!r}")
+        blocks = [int(b) for b in blocks.strip().lower().split("x")]
+    return as_axes("blocks", blocks)
+
+
+def check_mhla_options(mhla_options: dict) -> None:
+    """Refuse unknown MHLAConfig fields and bad values (types, ranges, registry names) without a model."""
+    unknown = sorted(set(mhla_options) - set(USER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown MHLA options {unknown}; allowed: {list(USER_OPTIONS)}")
+    MHLAConfig(**mhla_options)
+
+
+def check_options(*, ratio=1.0, strategy="spread", layers=None, blocks=None, attention="mhla", **mhla_options) -> None:
+    """Every check of conversion options that needs no model: run before anything loads."""
+    if layers is None:
+        check_selection(ratio, strategy)
+    parse_layers(layers)
+    parse_blocks(blocks)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {list(ATTENTIONS)}; got {attention!r}")
+    check_mhla_options(mhla_options)
 
 
 def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int, ...] | None, dict]:
@@ -48,12 +71,7 @@ def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int,
 
 def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mhla_options) -> MHLAConfig:
     """The MHLAConfig a conversion of `model` uses: family defaults, then `mhla_options`, then `attention`."""
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {list(ATTENTIONS)}; got {attention!r}")
-    known = {f.name for f in dataclasses.fields(MHLAConfig)}
-    unknown = sorted(set(mhla_options) - known)
-    if unknown:
-        raise ValueError(f"unknown MHLA options {unknown}; allowed: {sorted(known - {'blocks', 'causal'})}")
+    check_options(blocks=blocks, attention=attention, **mhla_options)
     blocks = parse_blocks(blocks)
     if adapter.causal and blocks is not None:
         raise ValueError(
@@ -67,4 +85,17 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
         if default is not None and len(blocks) != len(default):
             example = "x".join(map(str, default))
             raise ValueError(f"blocks must have {len(default)} axes for {adapter.name} (e.g. {example}); got {blocks}")
+        _check_fits_grid(adapter, model, blocks)
     return MHLAConfig(**{**options, "blocks": None if adapter.causal else blocks, "causal": adapter.causal})
+
+
+def _check_fits_grid(adapter, model, blocks: tuple[int, ...]) -> None:
+    """A block needs at least one token per axis of the family's native token grid."""
+    grid = adapter.native_grid(model)
+    if grid is None or len(grid) != len(blocks) or all(b <= g for b, g in zip(blocks, grid)):
+        return
+    largest = "x".join(map(str, grid))
+    raise ValueError(
+        f"blocks {'x'.join(map(str, blocks))} do not fit {adapter.name}'s token grid {largest}: "
+        f"at most one block per token along each axis, so at most {largest}"
+    )

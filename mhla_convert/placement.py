@@ -15,10 +15,28 @@ DTYPES = {
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
+    if not isinstance(dtype, str) or dtype.lower() not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype.lower()]
+
+
+def check_device(device) -> None:
+    """Refuse a device name torch does not know, or an accelerator this machine does not have,
+    before anything loads (None: the caller's default)."""
+    if device is None:
+        return
     try:
-        return DTYPES[dtype.lower()]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}; got {dtype!r}") from None
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must be like cpu, cuda or cuda:1; got {device!r}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {device!r}: this machine has no usable CUDA GPU; use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 … cuda:{count - 1}")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available on this machine; use cpu")
 
 
 def _floating_tensors(model: nn.Module):

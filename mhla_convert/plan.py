@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .ops.blocks import whole_number
+
 STRATEGIES = ("spread", "first", "last", "auto")
 
 AUTO_NEEDS_CALIBRATION = (
@@ -13,10 +15,21 @@ AUTO_NEEDS_CALIBRATION = (
 
 def check_selection(ratio: float, strategy: str) -> None:
     """Refuse a ratio outside [0, 1] or an unknown strategy (before any expensive step)."""
-    if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0.0 <= ratio <= 1.0:
         raise ValueError(f"ratio must be in [0, 1] (the fraction of layers to convert); got {ratio!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {strategy!r}")
+
+
+def parse_layers(layers) -> list[int] | None:
+    """Layer indices as a list of whole numbers ≥ 0 (1.7 is refused, never read as 1); None stays."""
+    if layers is None:
+        return None
+    iterable = hasattr(layers, "__iter__") and not isinstance(layers, (str, bytes, dict))
+    out = [whole_number(i) for i in layers] if iterable else [None]
+    if None in out or any(i < 0 for i in out):
+        raise ValueError(f"layers must be a list of layer indices (whole numbers ≥ 0) like [1, 4, 7]; got {layers!r}")
+    return out
 
 
 def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread", layers=None,
@@ -29,8 +42,8 @@ def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread"
     `sensitivity` (see sensitivity.py; ties go to the lower index); an explicit `layers` list wins over all.
     """
     if layers is not None:
-        chosen = sorted({int(i) for i in layers})
-        bad = [i for i in chosen if not 0 <= i < num_layers]
+        chosen = sorted(set(parse_layers(layers)))
+        bad = [i for i in chosen if i >= num_layers]
         if bad:
             raise ValueError(
                 f"layer indices {bad} out of range: the model has {num_layers} layers (0 … {num_layers - 1})"

@@ -87,7 +87,8 @@ def test_train_each_stage_then_sample(family, name, tmp_path):
     assert mhla_convert.mhla_layers(trained)
     suffix = {"image": ".png", "video": ".mp4", "text": ".txt"}[adapter.sample_kind]
     out = tmp_path / f"sample{suffix}"
-    args = ["sample", str(run), "--prompt", "a red cube", "--out", str(out), "--steps", "1", "--max-new-tokens", "3"]
+    condition = ["--class-label", "3"] if family == "dit" else ["--prompt", "a red cube"]  # DiT draws a class
+    args = ["sample", str(run), *condition, "--out", str(out), "--steps", "1", "--max-new-tokens", "3"]
     if adapter.takes_first_frame(trained):
         Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(tmp_path / "f.png")
         args += ["--image", str(tmp_path / "f.png")]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..families import FamilyAdapter
+from ..placement import check_device
 from ..train.recipe import DataSpec, ObjectiveSpec
 from . import lm, report
 from .data import batches, data_spec, held_out
@@ -152,6 +153,10 @@ def evaluate(
     """
     _check_counts(batch_size=batch_size, num_batches=num_batches, timesteps=timesteps, passkey_trials=passkey_trials,
                   num_samples=num_samples, sample_steps=sample_steps)
+    try:
+        check_device(device)
+    except ValueError as error:
+        raise EvalError(str(error)) from None
     out = Path(out_dir).expanduser() if out_dir is not None else None
     if out is not None:
         report.check_out_dir(out)

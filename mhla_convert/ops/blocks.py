@@ -11,20 +11,35 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
 
 
-def as_axes(name: str, value) -> tuple[int, ...]:
-    if isinstance(value, int):
-        value = (value,)
+def whole_number(value) -> int | None:
+    """`value` as an int when it is a whole number type (int, numpy or 0-d torch integer), else None.
+    Floats, bools and strings are not whole numbers here: 2.5 or "22" must never become 2 or (2, 2)."""
+    if isinstance(value, (bool, str, bytes, float)):
+        return None
     try:
-        out = tuple(int(v) for v in value)
+        return operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be a tuple of ints like (N,), (H, W) or (T, H, W); got {value!r}") from None
+        return None
+
+
+def as_axes(name: str, value) -> tuple[int, ...]:
+    """`value` (an int or a sequence of 1 to 3 ints, each ≥ 1) as a tuple of ints; anything else is refused."""
+    if whole_number(value) is not None:
+        value = (value,)
+    iterable = hasattr(value, "__iter__") and not isinstance(value, (str, bytes))
+    out = tuple(whole_number(v) for v in value) if iterable else (None,)
+    if None in out:
+        raise ValueError(f"{name} must be whole numbers like (N,), (H, W) or (T, H, W); got {value!r}")
     if not 1 <= len(out) <= 3:
         raise ValueError(f"{name} must have 1, 2 or 3 axes; got {value!r}")
+    if min(out) < 1:
+        raise ValueError(f"every {name} axis must be ≥ 1; got {value!r}")
     return out
 
 
@@ -40,17 +55,15 @@ class BlockLayout:
     def chunked(cls, num_tokens: int, chunk_size: int) -> "BlockLayout":
         """1-D chunks of exactly `chunk_size` tokens (the last may be shorter): the causal layout,
         whose boundaries must not move as the sequence grows."""
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be ≥ 1; got {chunk_size}")
+        if whole_number(chunk_size) is None or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a whole number ≥ 1; got {chunk_size!r}")
         return cls((num_tokens,), (-(-num_tokens // chunk_size),), (chunk_size,))
 
     @classmethod
     def create(cls, grid, blocks) -> "BlockLayout":
         """Validated layout of `blocks` over `grid`; cached, as every operator call asks for one."""
-        try:
-            return _cached_layout(grid, blocks)
-        except TypeError:  # unhashable (lists): the same layout through tuples
-            return _cached_layout(as_axes("grid", grid), as_axes("blocks", blocks))
+        # checked before the cache: (2.0, 2.0) hashes like (2, 2) and must not find its layout there
+        return _cached_layout(as_axes("grid", grid), as_axes("blocks", blocks))
 
     @classmethod
     def _build(cls, grid, blocks) -> "BlockLayout":
@@ -60,9 +73,7 @@ class BlockLayout:
                 f"blocks must have one entry per grid axis (len {len(grid)} for grid {grid}); got {blocks}"
             )
         for axis, (length, b) in enumerate(zip(grid, blocks)):
-            if length < 1:
-                raise ValueError(f"grid axis {axis} must be ≥ 1; got grid {grid}")
-            if not 1 <= b <= length:
+            if b > length:
                 raise ValueError(
                     f"blocks[{axis}] must be in [1, {length}] (grid axis {axis} has {length} tokens); got {b}"
                 )

@@ -14,20 +14,48 @@ weighted by the diagonal.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Literal
 
 import torch
 
 from .blocks import BlockLayout, as_axes
-from .dispatch import select
+from .dispatch import available_backends, select
 from .exact_local import mhla_attention_exact_local_torch
 from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
 
 Backend = Literal["auto", "torch", "triton"]
+# Names always accepted as options: a model saved for "triton" still loads where Triton is missing
+# (its first call then says so); other names must be registered backends.
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def check_options(*, feature_map, normalize, scale, eps, backend) -> None:
+    """Refuse operator options that would fail at the first call or give silently wrong numbers
+    (a negative eps or scale flips or blows up the normaliser)."""
+    resolve_feature_map(feature_map)
+    if not isinstance(normalize, bool):
+        raise ValueError(f"normalize must be true or false; got {normalize!r}")
+    if scale is not None and not (_real(scale) and scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number > 0, or None for D ** -0.5; got {scale!r}")
+    if not (_real(eps) and eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number > 0 (e.g. 1e-6); got {eps!r}")
+    if backend not in BACKEND_NAMES and (not isinstance(backend, str) or backend not in available_backends()):
+        names = ["auto", *sorted(set(BACKEND_NAMES[1:]) | set(available_backends()))]
+        raise ValueError(f"backend must be one of {names}; got {backend!r}")
+
+
+def _real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> BlockLayout:
-    """Validate shapes (never values: no device sync) and return the block layout."""
+    """Validate types and shapes (never values: no device sync) and return the block layout."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("mixing", mixing)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            what = f"a {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating-point torch.Tensor; got {what}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (B, N, H, D); got shape {tuple(t.shape)}")
@@ -97,6 +125,7 @@ def mhla_attention(
     Returns (B, N, H, D_v) in q's dtype; accumulation is float32 for half-precision inputs.
     """
     layout = check_inputs(q, k, v, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
+    check_options(feature_map=feature_map, normalize=normalize, scale=scale, eps=eps, backend=backend)
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if key_mask is not None and (key_mask.shape != q.shape[:2] or key_mask.dtype != torch.bool):

@@ -33,18 +33,21 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
     from .transfer import snapshot_attention
 
     spec, dtype = recipe.model, parse_dtype(recipe.model.dtype)
+    what = f"model.checkpoint {spec.checkpoint}" if spec.checkpoint else f"model.name {spec.name}"
     try:
         if spec.checkpoint:
             from .. import from_pretrained
 
             model = from_pretrained(spec.checkpoint, torch_dtype=dtype)
         else:
-            from ..models import load_model
+            from ..models import load_source, resolve
 
-            model = load_model(spec.name, torch_dtype=dtype)
+            source = resolve(spec.name)
+            if plan is None:
+                _check_conversion(recipe, source)
+            model = load_source(source, torch_dtype=dtype)
         adapter = adapter_for_model(model)
     except (UnsupportedModelError, FileNotFoundError, OSError, ValueError) as exc:
-        what = f"model.checkpoint {spec.checkpoint}" if spec.checkpoint else f"model.name {spec.name}"
         raise TrainError(f"cannot load {what}: {str(exc).splitlines()[0]}") from None
     if spec.family and adapter.name != spec.family:
         raise TrainError(
@@ -69,6 +72,23 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
         raise TrainError(f"conversion: {exc}") from None
     kept = [originals[i] for i in report.converted] if originals else []
     return Built(model, adapter, list(report.converted), kept, report)
+
+
+def _check_conversion(recipe: Recipe, source) -> None:
+    """The conversion section against the model's config (layer range, blocks against the token
+    grid), before its weights load or download."""
+    from ..convert import check_conversion
+    from ..models import source_meta_model
+
+    skeleton = source_meta_model(source)
+    if skeleton is None:
+        return
+    c = recipe.conversion
+    try:
+        check_conversion(skeleton, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
+                         attention=c.attention, **c.options)
+    except ValueError as exc:
+        raise TrainError(f"conversion: {exc}") from None
 
 
 def _calibration(recipe: Recipe, adapter, model: nn.Module) -> list[dict]:

@@ -44,12 +44,14 @@ def sample(
     checkpoint: Path = typer.Argument(
         ..., help="A model saved by finetune (DIR/model) or mhla_convert.save_pretrained."
     ),
-    prompt: str = typer.Option("a photo of a cat", "--prompt", help="Text prompt (SANA, PixArt, Wan) or LM prompt."),
+    prompt: Optional[str] = typer.Option(
+        None, "--prompt", help="Text prompt (SANA, PixArt, Wan) or LM prompt (default: 'a photo of a cat')."),
     image: Optional[Path] = typer.Option(
         None, "--image", help="Wan image-to-video: the first frame (required for I2V checkpoints)."
     ),
     out: Path = typer.Option(..., "--out", help="Output file: .png for images, .mp4 for Wan, .txt for LMs."),
-    class_label: int = typer.Option(0, "--class-label", help="DiT: the ImageNet class to draw."),
+    class_label: Optional[int] = typer.Option(
+        None, "--class-label", help="DiT (class-conditional): the class to draw, e.g. 207 (default: 0)."),
     steps: int = typer.Option(20, "--steps", help="Denoising steps."),
     guidance_scale: Optional[float] = typer.Option(
         None, "--guidance-scale", help="Classifier-free guidance (pipeline default when unset)."

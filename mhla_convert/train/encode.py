@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..locations import one_line
+from ..ops.blocks import whole_number
 from .components import pipeline, tokenizer
 from .errors import TrainError
 from .recipe import DataSpec
@@ -54,19 +56,69 @@ def _cached(spec: DataSpec, key: str, build) -> dict[str, torch.Tensor]:
 # --- image / video folders -----------------------------------------------------------------------
 
 
-def _metadata(root: Path) -> list[dict]:
+def _metadata_lines(root: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of every example in root/metadata.jsonl; a malformed line or a file_name of
+    no file is refused naming the line."""
     meta = root / "metadata.jsonl"
     if not meta.is_file():
         raise TrainError(
             f'{root} has no metadata.jsonl: add one line per file, e.g. {{"file_name": "a.png", "text": "a caption"}}'
         )
-    rows = [json.loads(line) for line in meta.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(meta.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TrainError(f'{meta}:{number}: not valid JSON ({exc.msg}); each line is one object like '
+                             '{"file_name": "a.png", "text": "a caption"}') from None
+        if not isinstance(row, dict) or not isinstance(row.get("file_name"), str) or not (
+                root / row["file_name"]).is_file():
+            raise TrainError(f"{meta}:{number}: every line needs a file_name of an existing file; got {row}")
+        rows.append((number, row))
     if not rows:
         raise TrainError(f"{meta} is empty: the dataset needs at least one example")
-    for row in rows:
-        if "file_name" not in row or not (root / row["file_name"]).is_file():
-            raise TrainError(f"{meta}: every line needs a file_name of an existing file; got {row}")
     return rows
+
+
+def _metadata(root: Path) -> list[dict]:
+    return [row for _, row in _metadata_lines(root)]
+
+
+def _check_conditions(root: Path, rows: list[tuple[int, dict]], adapter, transformer, spec: DataSpec) -> None:
+    """Each line's condition: a class label within the model's classes (class-conditional families),
+    else a caption."""
+    meta = root / "metadata.jsonl"
+    classes = getattr(adapter, "num_classes", lambda model: None)(transformer)
+    for number, row in rows:
+        if classes is None:
+            if spec.caption_column not in row:
+                raise TrainError(f'{meta}:{number}: needs a caption under "{spec.caption_column}" '
+                                 "(or set data.caption_column)")
+            continue
+        label = row.get(spec.label_column)
+        value = int(label) if isinstance(label, str) and label.isdigit() else whole_number(label)
+        if value is None or not 0 <= value < classes:
+            raise TrainError(f'{meta}:{number}: "{spec.label_column}" must be a class label 0 … {classes - 1} '
+                             f"(the model has {classes} classes); got {label!r}")
+
+
+def _check_readable(root: Path, rows: list[tuple[int, dict]], video: bool) -> None:
+    """Decode every file once before encoding starts, so a damaged one fails naming its line, not mid-encode."""
+    import imageio.v2 as imageio
+
+    for number, row in rows:
+        path = root / row["file_name"]
+        try:
+            if video:
+                with imageio.get_reader(path) as reader:
+                    reader.get_data(0)
+            else:
+                imageio.imread(path)
+        except Exception as exc:  # each image plugin raises its own error type for a damaged file
+            raise TrainError(f"{root / 'metadata.jsonl'}:{number}: cannot read {path} "
+                             f"({type(exc).__name__}: {one_line(exc)}); replace or remove the file") from None
 
 
 def _resize(frame: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -110,9 +162,16 @@ def encode_folder(spec: DataSpec, adapter, transformer, components: str | None) 
 
 def cached_folder(spec: DataSpec, adapter, transformer, components: str | None) -> dict[str, torch.Tensor]:
     root = Path(spec.path)
-    files = [root / "metadata.jsonl", *(root / r["file_name"] for r in _metadata(root))]
+    rows = _metadata_lines(root)
+    _check_conditions(root, rows, adapter, transformer, spec)
+    files = [root / "metadata.jsonl", *(root / r["file_name"] for _, r in rows)]
     key = _cache_key(spec, adapter.cache_name(transformer), components, files)
-    return _cached(spec, key, lambda: encode_folder(spec, adapter, transformer, components))
+
+    def build():
+        _check_readable(root, rows, adapter.video)
+        return encode_folder(spec, adapter, transformer, components)
+
+    return _cached(spec, key, build)
 
 
 # --- text corpora --------------------------------------------------------------------------------

@@ -290,7 +290,6 @@ def _line(data, *path):
 
 def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     from ..families import families
-    from ..layer import MHLAConfig
 
     m = recipe.model
     if m.family is not None and m.family not in families():
@@ -312,14 +311,7 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if m.name and recipe.conversion is None:
         recipe.conversion = ConversionSpec()
     if recipe.conversion:
-        known = {f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}
-        for key in recipe.conversion.options:
-            if key not in known:
-                raise ctx.fail(
-                    f"conversion.options.{key}",
-                    _line(raw, "conversion", "options", key),
-                    f"unknown MHLA option; allowed: {', '.join(sorted(known))}",
-                )
+        _check_conversion(recipe.conversion, raw, ctx)
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
             raise ctx.fail(
                 "conversion.ratio",
@@ -332,9 +324,15 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     d = recipe.data
     if d.kind != "synthetic" and not d.path:
         raise ctx.fail("data.path", _line(raw, "data"), f"data.kind {d.kind!r} needs data.path (a directory or file)")
-    for key in ("batch_size", "num_samples", "context_length", "encode_batch_size"):
+    for key in ("batch_size", "num_samples", "context_length", "encode_batch_size", "height", "width", "num_frames",
+                "latent_frames", "max_text_length"):
         if getattr(d, key) < 1:
-            raise ctx.fail(f"data.{key}", _line(raw, "data", key), "must be ≥ 1")
+            raise ctx.fail(f"data.{key}", _line(raw, "data", key), f"must be ≥ 1; got {getattr(d, key)}")
+    if d.num_workers < 0:
+        raise ctx.fail("data.num_workers", _line(raw, "data", "num_workers"), f"must be ≥ 0; got {d.num_workers}")
+    if d.latent_size is not None and (len(d.latent_size) != 2 or min(d.latent_size) < 1):
+        raise ctx.fail("data.latent_size", _line(raw, "data", "latent_size"),
+                       f"give the latent height and width, e.g. [32, 32]; got {d.latent_size}")
     if not recipe.stages:
         raise ctx.fail("stages", _line(raw, "stages"), "give at least one stage: attention_transfer and/or finetune")
     for i, stage in enumerate(recipe.stages):
@@ -378,6 +376,28 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
     _check_optimizer(recipe, raw, ctx)
     _check_validation(recipe, raw, ctx)
+
+
+def _check_conversion(c: ConversionSpec, raw, ctx: _Ctx) -> None:
+    """The conversion options, each by the checks `convert` runs (options.py), at its own line; what
+    needs the model (layer range, blocks against the token grid) is checked once its config is known."""
+    from ..layer import MHLAConfig
+    from ..options import USER_OPTIONS, parse_blocks, parse_layers
+
+    for key, value in c.options.items():
+        where = _line(raw, "conversion", "options", key)
+        if key not in USER_OPTIONS:
+            allowed = ", ".join(USER_OPTIONS)
+            raise ctx.fail(f"conversion.options.{key}", where, f"unknown MHLA option; allowed: {allowed}")
+        try:
+            MHLAConfig(**{key: value})
+        except ValueError as exc:
+            raise ctx.fail(f"conversion.options.{key}", where, str(exc)) from None
+    for key, parse in (("blocks", parse_blocks), ("layers", parse_layers)):
+        try:
+            parse(getattr(c, key))
+        except ValueError as exc:
+            raise ctx.fail(f"conversion.{key}", _line(raw, "conversion", key), str(exc)) from None
 
 
 def _check_optimizer(recipe: Recipe, raw, ctx: _Ctx) -> None:

@@ -6,54 +6,122 @@ adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first whe
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from ..families import adapter_for_family
+from ..ops.blocks import whole_number
+from ..placement import check_device
 from .errors import TrainError
 from .lora import load_adapter
 
+DEFAULT_PROMPT = "a photo of a cat"
+SUFFIXES = {"image": (".png", ".jpg", ".jpeg", ".webp"), "video": (".mp4",), "text": (".txt",)}
 
-def _load(checkpoint: Path, device, subfolder: str | None = None):
+
+def _in_subfolder(checkpoint: Path, subfolder: str | None) -> Path:
+    if subfolder is None:
+        return checkpoint
+    if not (checkpoint / subfolder).is_dir():
+        raise TrainError(f"{checkpoint} has no subfolder {subfolder!r}: check --subfolder")
+    return checkpoint / subfolder
+
+
+def _load(checkpoint: Path, device):
     from .. import from_pretrained
-    from ..io import read_mhla_config
 
-    if subfolder is not None:
-        if not (checkpoint / subfolder).is_dir():
-            raise TrainError(f"{checkpoint} has no subfolder {subfolder!r}: check --subfolder")
-        checkpoint = checkpoint / subfolder
     try:
-        meta = read_mhla_config(checkpoint)
         model = from_pretrained(checkpoint, device=device)
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
-    return meta, model.eval()
+    return model.eval()
+
+
+def _skeleton(checkpoint: Path):
+    """The checkpoint's mhla_config.json, its family adapter and its base model on the meta device
+    (from config.json alone): enough to check the sampling options before any weights load."""
+    from ..io import read_mhla_config
+    from ..locations import read_json
+    from ..models import meta_model
+
+    try:
+        meta = read_mhla_config(checkpoint)
+        adapter = adapter_for_family(meta["family"])
+        return meta, adapter, meta_model(adapter, read_json(checkpoint / "config.json"))
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if value is not None and (whole_number(value) is None or value < 1):
+            raise TrainError(f"--{name.replace('_', '-')} must be a whole number ≥ 1; got {value!r}")
+
+
+def check_sample_options(adapter, skeleton, out: Path, *, prompt, class_label, steps, guidance_scale, height, width,
+                         num_frames, max_new_tokens, device) -> None:
+    """Refuse sampling options the checkpoint cannot honour (one-line TrainError), before it loads."""
+    _positive(steps=steps, height=height, width=width, num_frames=num_frames, max_new_tokens=max_new_tokens)
+    if guidance_scale is not None and not (guidance_scale >= 0 and math.isfinite(guidance_scale)):
+        raise TrainError(f"--guidance-scale must be a finite number ≥ 0; got {guidance_scale}")
+    try:
+        check_device(device)
+    except ValueError as exc:
+        raise TrainError(f"--device: {exc}") from None
+    allowed = SUFFIXES[adapter.sample_kind]
+    if out.suffix and out.suffix.lower() not in allowed:
+        raise TrainError(f"--out {out}: a {adapter.name} checkpoint samples {adapter.sample_kind}; "
+                         f"name the file {' or '.join(allowed)}")
+    classes = getattr(adapter, "num_classes", lambda model: None)(skeleton)
+    if classes is None and class_label is not None:
+        raise TrainError(f"--class-label is for class-conditional checkpoints (DiT); this {adapter.name} checkpoint "
+                         "takes --prompt")
+    if classes is not None and prompt is not None:
+        raise TrainError(f"this {adapter.name} checkpoint is class-conditional: it draws --class-label N "
+                         f"(0 … {classes - 1}), not --prompt")
+    if class_label is not None and (whole_number(class_label) is None or not 0 <= class_label < classes):
+        raise TrainError(f"--class-label must be a class of this checkpoint, 0 … {classes - 1}; got {class_label!r}")
+    if num_frames is not None and adapter.sample_kind != "video":
+        raise TrainError(f"--num-frames is for video checkpoints (Wan); this {adapter.name} checkpoint samples "
+                         f"{adapter.sample_kind}")
+    if num_frames is not None and num_frames % 4 != 1:
+        raise TrainError(f"--num-frames must be 4k+1 (1, 5, 9, …, 81): Wan's VAE packs 4 frames per latent; "
+                         f"got {num_frames}")
 
 
 @torch.no_grad()
-def sample(checkpoint, prompt: str, out, *, class_label: int = 0, steps: int = 20, guidance_scale: float | None = None,
-           height: int | None = None, width: int | None = None, num_frames: int | None = None, max_new_tokens: int = 32,
-           seed: int = 0, device: str | None = None, image=None, lora_adapter=None,
-           subfolder: str | None = None) -> Path:
-    out = Path(out)
+def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = None, steps: int = 20,
+           guidance_scale: float | None = None, height: int | None = None, width: int | None = None,
+           num_frames: int | None = None, max_new_tokens: int = 32, seed: int = 0, device: str | None = None,
+           image=None, lora_adapter=None, subfolder: str | None = None) -> Path:
+    """`prompt` None: a default prompt (text-conditional families); class-conditional ones take
+    `class_label` (default 0) instead. `lora_adapter`: a PEFT adapter folder merged in first."""
+    checkpoint, out = _in_subfolder(Path(checkpoint), subfolder), Path(out)
+    meta, adapter, skeleton = _skeleton(checkpoint)
+    check_sample_options(adapter, skeleton, out, prompt=prompt, class_label=class_label, steps=steps,
+                         guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames,
+                         max_new_tokens=max_new_tokens, device=device)
+    first_frame = _first_frame(image, i2v=adapter.takes_first_frame(skeleton))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    meta, model = _load(Path(checkpoint), device, subfolder)
+    model = _load(checkpoint, device)
     if lora_adapter is not None:
         model = load_adapter(model, lora_adapter)
-    adapter = adapter_for_family(meta["family"])
-    first_frame = _first_frame(image, i2v=adapter.takes_first_frame(model))
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = adapter.sample(model, meta.get("base_model"), prompt, device=device, seed=seed, steps=steps,
-                            guidance_scale=guidance_scale, class_label=class_label, height=height, width=width,
-                            num_frames=num_frames, max_new_tokens=max_new_tokens, image=first_frame)
+    result = adapter.sample(model, meta.get("base_model"), DEFAULT_PROMPT if prompt is None else prompt,
+                            device=device, seed=seed, steps=steps, guidance_scale=guidance_scale,
+                            class_label=class_label or 0, height=height, width=width, num_frames=num_frames,
+                            max_new_tokens=max_new_tokens, image=first_frame)
     if adapter.sample_kind == "text":
+        out = out if out.suffix else out.with_suffix(".txt")
         out.write_text(result + "\n")
         print(result)
         return out
     if adapter.sample_kind == "video":
         return _write_video(result, out)
-    result.save(out if out.suffix else out.with_suffix(".png"))
+    out = out if out.suffix else out.with_suffix(".png")
+    result.save(out)
     return out
 
 
