@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib
 import re
+from pathlib import Path
 
 SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 MHLA_CONFIG = "mhla_config.json"
+PIPELINE_SUBFOLDER = "transformer"  # where a diffusers pipeline keeps its transformer
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
@@ -42,3 +44,14 @@ def hub_unreachable(repo_id: str, error: Exception) -> OSError:
         "check the network, or set HF_HUB_OFFLINE=1 and pass a local directory instead "
         "(a model saved with save_pretrained, or a pipeline folder with transformer/)"
     )
+
+
+def checkpoint_dir(directory) -> Path:
+    """Where the MHLA checkpoint in `directory` is: itself, or for a pipeline directory
+    (model_index.json) holding a converted transformer, its transformer/ folder."""
+    directory = Path(directory)
+    inner = directory / PIPELINE_SUBFOLDER
+    if (not (directory / MHLA_CONFIG).is_file() and (directory / "model_index.json").is_file()
+            and (inner / MHLA_CONFIG).is_file()):
+        return inner
+    return directory
