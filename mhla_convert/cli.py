@@ -88,6 +88,9 @@ def convert_command(
         None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
     ),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
+    pipeline: bool = typer.Option(
+        False, help="Save a whole diffusers pipeline (the source pipeline's other components + the converted "
+                    "transformer) that DiffusionPipeline.from_pretrained loads; needs a pipeline or tiny source."),
     dtype: Optional[str] = typer.Option(
         None, help="Load and save in this dtype: bf16, fp16 or fp32 (default: the source's)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
@@ -99,6 +102,7 @@ def convert_command(
     from .io import save_pretrained
     from .models import load_source, resolve, save_companions
     from .options import ATTENTIONS
+    from .pipelines import check_pipeline_source, save_pipeline
     from .placement import parse_dtype
     from .plan import AUTO_NEEDS_CALIBRATION, check_selection
 
@@ -124,6 +128,8 @@ def convert_command(
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
         source = resolve(model, revision=revision)
+        if pipeline:
+            check_pipeline_source(source)
         with _step(f"loading {source.describe()}"):
             base = load_source(source, torch_dtype=torch_dtype)
         if auto:
@@ -133,9 +139,9 @@ def convert_command(
             report = convert(base, ratio=ratio, strategy=strategy, **options)
         typer.echo(str(report))
         target = out or _default_out(model)
-        with _step(f"saving to {target}"):
-            saved = save_pretrained(base, target)
-            companions = save_companions(source, saved)
+        with _step(f"saving {'the pipeline ' if pipeline else ''}to {target}"):
+            saved = save_pipeline(base, source, target) if pipeline else save_pretrained(base, target)
+            companions = [] if pipeline else save_companions(source, saved)
         typer.echo(f"saved: {saved}" + (f" (with the base model's {' and '.join(companions)})" if companions else ""))
         if push:
             _push(saved, push, private)
