@@ -210,6 +210,19 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` plus the parameters `model` ties to a saved one (transformers' `save_pretrained` stores
+    a tied lm_head only as the embedding)."""
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()  # a model built under init_empty_weights has its ties undone
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name and name not in state and kept in state:
+            state[name] = state[kept]
+    return state
+
+
 def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
     if path.is_dir():
@@ -240,7 +253,7 @@ def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, torch_dtype=
         model = adapter.build(config)
         redo_plan(model, meta)
     try:
-        model.load_state_dict(load_state_dict(directory), strict=True, assign=True)
+        model.load_state_dict(_with_tied(model, load_state_dict(directory)), strict=True, assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):
