@@ -107,7 +107,7 @@ def _hub_source(repo_id: str, revision: str | None) -> Source:
         if MHLA_CONFIG in files:
             return Source("converted", repo_id, revision=info.sha)
         subfolder = PIPELINE_SUBFOLDER if "model_index.json" in files else None
-        if f"{subfolder}/{MHLA_CONFIG}" in files:  # a pipeline holding a converted transformer
+        if subfolder and f"{subfolder}/{MHLA_CONFIG}" in files:  # a pipeline holding a converted transformer
             return Source("converted", repo_id, subfolder, info.sha)
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
     except HUB_ERRORS as error:
