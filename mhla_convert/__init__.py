@@ -23,6 +23,10 @@ from .mixing import (
 from .models import load_model, tiny_model
 from .ops import mhla_attention
 
+# Registers the converted LM classes with transformers' Auto classes and defines the converted diffusers
+# transformer classes saved pipelines name: importing mhla_convert is what lets the libraries reload them.
+from . import diffusers_models, transformers_models  # noqa: E402,F401  isort: skip
+
 __all__ = [
     "ConversionReport", "MHLAConfig", "MHLAttention", "__version__", "clamp_mixing_", "convert", "evaluate",
     "from_pretrained", "initial_mixing", "load_model", "locality_mixing", "mhla_attention", "mhla_layers",

@@ -96,6 +96,9 @@ def convert_command(
         None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
     ),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
+    pipeline: bool = typer.Option(
+        False, help="Save a whole diffusers pipeline (the source pipeline's other components + the converted "
+                    "transformer) that DiffusionPipeline.from_pretrained loads; needs a pipeline or tiny source."),
     dtype: Optional[str] = typer.Option(
         None, help="Load and save in this dtype: bf16, fp16 or fp32 (default: the source's)."),
     revision: Optional[str] = typer.Option(None, help="Hub revision of the base model."),
@@ -113,6 +116,7 @@ def convert_command(
     from .io import check_save_target, save_pretrained
     from .models import load_source, resolve, save_companions, source_meta_model
     from .options import check_options
+    from .pipelines import check_pipeline_source, save_pipeline
     from .placement import parse_dtype
     from .plan import AUTO_NEEDS_CALIBRATION
 
@@ -135,8 +139,11 @@ def convert_command(
         if calibration_batches < 1:
             raise ValueError(f"--calibration-batches must be >= 1; got {calibration_batches}")
         target = out or _default_out(model)
-        check_save_target(target)
+        if not pipeline:
+            check_save_target(target)
         source = resolve(model, revision=revision, subfolder=subfolder, config=config)
+        if pipeline:
+            check_pipeline_source(source)
         skeleton = source_meta_model(source)  # the options against the model's config, before its weights load
         if skeleton is not None:
             check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
@@ -148,10 +155,13 @@ def convert_command(
         with _step("converting"):
             report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps, **options)
         typer.echo(str(report))
-        with _step(f"saving to {target}"):
+        with _step(f"saving {'the pipeline ' if pipeline else ''}to {target}"):
             companions: list[str] = []
-            saved = save_pretrained(  # the tokenizer etc. are part of the same atomic save
-                base, target, extra=lambda folder: companions.extend(save_companions(source, folder)))
+            if pipeline:
+                saved = save_pipeline(base, source, target)
+            else:  # the tokenizer etc. are part of the same atomic save
+                saved = save_pretrained(
+                    base, target, extra=lambda folder: companions.extend(save_companions(source, folder)))
         typer.echo(f"saved: {saved}" + (f" (with the base model's {' and '.join(companions)})" if companions else ""))
         if push:
             _push(saved, push, private)

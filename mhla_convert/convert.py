@@ -112,6 +112,7 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
         "family": adapter.name, "num_layers": num_layers, "layers": indices, "mhla_config": config.to_dict(),
         "attention": attention, "strategy": chosen_by, "sensitivity": sensitivity,
     })
+    adapter.mark_converted(model)  # its library's loaders now reload it converted (io.py)
     return report
 
 

@@ -1,16 +1,27 @@
 """Save and reload converted models.
 
-Diffusers' and transformers' own `from_pretrained` rebuild the stock attention and drop the MHLA
-keys with only a warning, so a converted model is reloaded here: build the base architecture from
-its config (parameters on the meta device, no throwaway init), redo the saved conversion plan,
-then load the state dict strictly with `assign=True`. A checkpoint directory holds:
+A converted model's class is a subclass of its base class (`MHLAWanTransformer3DModel`,
+`MHLALlamaForCausalLM`; transformers_models.py, diffusers_models.py), so the libraries' own loaders
+reload it as converted: `AutoModelForCausalLM.from_pretrained` (after `import mhla_convert`, or with
+`trust_remote_code=True`), and diffusers pipelines through the component entry that class leaves in
+model_index.json. `from_pretrained` here is the strict loader behind all of them for diffusers and
+for old checkpoints: build the base architecture from its config (parameters on the meta device, no
+throwaway init), redo the saved conversion plan, then load the state dict strictly with
+`assign=True`. A checkpoint directory holds:
 
-    config.json          the base model's own config (family detection, `adapter.build`)
-    model*.safetensors   the weights, sharded above `max_shard_size` (+ model.safetensors.index.json)
+    config.json          the converted class's config: the base model's own config (family detection,
+                         `adapter.build` after `adapter.base_config`), its converted class name
+                         (`_class_name`; LMs: `architectures`, `model_type` mhla_<base> and `auto_map`)
+                         and the conversion record under "mhla" (= mhla_config.json)
+    model*.safetensors   the weights, sharded above `max_shard_size` (+ model.safetensors.index.json);
+                         diffusers' stock loader reads other names, so a base class's own
+                         `from_pretrained` fails on a converted folder rather than dropping MHLA
+    mhla_loader.py       LMs: the module `auto_map` names, which imports mhla_convert
     mhla_config.json     family, base model, the plan (layers, attention kind, how the layers were
                          chosen and, for strategy "auto", every layer's sensitivity), every MHLA
                          option, package version
 
+Format 1 (before converted classes) had the base model's config in config.json; it still loads here.
 Writes are atomic: everything goes to a hidden sibling `.NAME.tmp-*`, `mhla_config.json` last, and
 only a complete directory is renamed into place; a checkpoint it replaces is first renamed aside to
 `.NAME.old-*` and removed after. A failed save removes its staging folder. What a killed process
@@ -39,12 +50,22 @@ from torch import nn
 from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
 from .layer import mhla_layers
-from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, hub_unreachable, one_line, read_json
+from .locations import (
+    HUB_ERRORS,
+    HUB_ID,
+    MHLA_CONFIG,
+    SOURCE_ATTR,
+    checkpoint_dir,
+    hub_unreachable,
+    one_line,
+    read_json,
+)
 from .placement import check_device, parse_dtype, place_model
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 WEIGHTS_PATTERN = "model{suffix}.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 REQUIRED_KEYS = {"family": str, "plan": dict, "mhla": dict}  # in mhla_config.json, beside format_version
@@ -63,12 +84,13 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         raise ValueError("this model is not converted: run mhla_convert.convert(model, ...) before saving it")
     adapter = adapter_for_family(plan["family"])
     source = getattr(model, SOURCE_ATTR, None) or {}
+    base_class = next(c for c in type(model).__mro__ if c.__name__ in adapter.model_classes)
     return {
         "format_version": FORMAT_VERSION,
         "mhla_convert_version": _package_version(),
         "family": adapter.name,
         "library": adapter.library,
-        "model_class": type(model).__name__,
+        "model_class": base_class.__name__,
         "base_model": source.get("base_model"),
         "base_model_revision": source.get("revision"),
         "base_model_subfolder": source.get("subfolder"),
@@ -89,7 +111,7 @@ def _unsaved_buffer_dtypes(model: nn.Module) -> dict[str, str]:
     return {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers() if name not in saved}
 
 
-def _restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
+def restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
     for name, dtype in dtypes.items():
         module_name, _, key = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -97,15 +119,35 @@ def _restore_buffer_dtypes(model: nn.Module, dtypes: dict[str, str]) -> None:
             module._buffers[key] = module._buffers[key].to(getattr(torch, dtype))
 
 
+def redo_plan(model: nn.Module, meta: dict[str, Any]) -> None:
+    """Convert a freshly built base model as the saved record `meta` says."""
+    apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+
+
+def recorded_source(meta: dict[str, Any]) -> dict[str, Any]:
+    """What the record says the model was converted from (the model's SOURCE_ATTR)."""
+    return {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"),
+            "subfolder": meta.get("base_model_subfolder")}
+
+
+def write_mhla_files(directory: Path, meta: dict[str, Any]) -> None:
+    """The files beside config.json and the weights: the library loaders' files, then
+    mhla_config.json, last, as it marks the checkpoint complete."""
+    for name, text in adapter_for_family(meta["family"]).loader_files().items():
+        (directory / name).write_text(text)
+    (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))
+
+
 def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size, extra) -> None:
     adapter = adapter_for_family(meta["family"])
-    (directory / "config.json").write_text(json.dumps(adapter.model_config(model), indent=2, sort_keys=True))
+    config = {**adapter.model_config(model), "mhla": meta}
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     save_torch_state_dict(
         model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
     )
     if extra is not None:
         extra(directory)
-    (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))  # last: marks the checkpoint complete
+    write_mhla_files(directory, meta)
 
 
 def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB", extra=None) -> Path:
@@ -137,12 +179,12 @@ def write_atomically(target: Path, write) -> Path:
 
 
 def check_save_target(directory) -> Path:
-    """The resolved directory `save_pretrained` may write: new, empty or an MHLA checkpoint (replaced).
-    A save of it that was cut off between its two renames is recovered first."""
+    """The resolved directory a save may write: new, empty or an MHLA checkpoint or a pipeline holding one
+    (replaced). A save of it that was cut off between its two renames is recovered first."""
     target = Path(directory).expanduser().resolve()
     recover_interrupted_save(target)
     if target.exists():
-        if not target.is_dir() or (any(target.iterdir()) and not (target / MHLA_CONFIG).is_file()):
+        if not target.is_dir() or (any(target.iterdir()) and not (checkpoint_dir(target) / MHLA_CONFIG).is_file()):
             raise ValueError(f"{target} exists and is not an MHLA checkpoint; refusing to overwrite it")
     return target
 
@@ -193,16 +235,17 @@ def swap_into_place(staging: Path, target: Path) -> None:
 
 
 def read_mhla_config(directory) -> dict[str, Any]:
-    path = Path(directory) / MHLA_CONFIG
+    path = checkpoint_dir(directory) / MHLA_CONFIG
     if not path.is_file():
         raise ValueError(
             f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
             f"(a base model? convert it first: `mhla-convert {directory}`)"
         )
     meta = read_json(path)
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_FORMATS:
         raise ValueError(
-            f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads {FORMAT_VERSION}"
+            f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads "
+            f"{', '.join(map(str, READABLE_FORMATS))} (a newer mhla-convert wrote it? pip install -U mhla-convert)"
         )
     missing = [key for key, kind in REQUIRED_KEYS.items() if not isinstance(meta.get(key), kind)]
     plan, mhla = meta.get("plan"), meta.get("mhla")
@@ -264,50 +307,61 @@ def host_named_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def _local_checkpoint(dir_or_hub_id, revision: str | None) -> Path:
+
+def _with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` plus the parameters `model` ties to a saved one (transformers' `save_pretrained` stores
+    a tied lm_head only as the embedding)."""
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()  # a model built under init_empty_weights has its ties undone
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name and name not in state and kept in state:
+            state[name] = state[kept]
+    return state
+
+
+def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None) -> Path:
     path = Path(dir_or_hub_id).expanduser()
     recover_interrupted_save(path)
     if path.is_dir():
-        return path
+        return path / subfolder if subfolder else checkpoint_dir(path)
     if path.exists() or "/" not in str(dir_or_hub_id) or not HUB_ID.match(str(dir_or_hub_id)):
         raise ValueError(f"{dir_or_hub_id} is not a directory (nor a hub id like owner/name)")
     from huggingface_hub import snapshot_download
 
+    folder = f"{subfolder}/" if subfolder else ""
     try:
-        return Path(
-            snapshot_download(str(dir_or_hub_id), revision=revision, allow_patterns=["*.json", "*.safetensors", "*.md"])
-        )
+        return Path(snapshot_download(
+            str(dir_or_hub_id), revision=revision,
+            allow_patterns=[f"{folder}*.json", f"{folder}*.safetensors", f"{folder}*.md"],
+        )) / (subfolder or "")
     except HUB_ERRORS as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
 
 
-def from_pretrained(dir_or_hub_id, *, torch_dtype=None, device=None, revision: str | None = None) -> nn.Module:
-    """Rebuild exactly the converted model saved by `save_pretrained` (a directory or hub id)."""
+def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, torch_dtype=None, device=None,
+                    revision: str | None = None) -> nn.Module:
+    """Rebuild exactly the converted model saved by `save_pretrained` (a directory or hub id; for a
+    pipeline directory its transformer/, or the given `subfolder`)."""
     check_device(device)
     parse_dtype(torch_dtype)
-    directory = _local_checkpoint(dir_or_hub_id, revision)
+    directory = _local_checkpoint(dir_or_hub_id, revision, subfolder)
     meta = read_mhla_config(directory)
-    config = read_json(directory / "config.json")
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
         try:
-            model = adapter_for_family(meta["family"]).build(config)
-            apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+            adapter = adapter_for_family(meta["family"])
+            model = adapter.build(adapter.base_config(read_json(directory / "config.json")))
+            redo_plan(model, meta)
         except ValueError as error:  # a family, plan or option the file should not hold
             raise ValueError(f"{directory / MHLA_CONFIG}: {one_line(error)}") from None
     try:
-        model.load_state_dict(host_named_keys(model, load_state_dict(directory)), strict=True, assign=True)
+        model.load_state_dict(_with_tied(model, host_named_keys(model, load_state_dict(directory))), strict=True,
+                              assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
-    _restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
-    setattr(
-        model,
-        SOURCE_ATTR,
-        {
-            "base_model": meta.get("base_model"),
-            "revision": meta.get("base_model_revision"),
-            "subfolder": meta.get("base_model_subfolder"),
-        },
-    )
+    restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
+    setattr(model, SOURCE_ATTR, recorded_source(meta))
     return place_model(model, torch_dtype, device).eval()

@@ -12,6 +12,7 @@ from typing import Any
 
 SOURCE_ATTR = "mhla_source"  # set on loaded models: {"base_model", "revision", "subfolder"}, saved with them
 MHLA_CONFIG = "mhla_config.json"
+PIPELINE_SUBFOLDER = "transformer"  # where a diffusers pipeline keeps its transformer
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
@@ -60,3 +61,14 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}: the file is damaged; "
                          "save or download it again")
     return data
+
+
+def checkpoint_dir(directory) -> Path:
+    """Where the MHLA checkpoint in `directory` is: itself, or for a pipeline directory
+    (model_index.json) holding a converted transformer, its transformer/ folder."""
+    directory = Path(directory)
+    inner = directory / PIPELINE_SUBFOLDER
+    if (not (directory / MHLA_CONFIG).is_file() and (directory / "model_index.json").is_file()
+            and (inner / MHLA_CONFIG).is_file()):
+        return inner
+    return directory

@@ -23,10 +23,19 @@ import torch
 from torch import nn
 
 from .families import adapter_for_config, adapter_for_family, families
-from .locations import HUB_ERRORS, HUB_ID, MHLA_CONFIG, SOURCE_ATTR, TRANSPORT_ERRORS, hub_unreachable, read_json
+from .locations import (
+    HUB_ERRORS,
+    HUB_ID,
+    MHLA_CONFIG,
+    PIPELINE_SUBFOLDER,
+    SOURCE_ATTR,
+    TRANSPORT_ERRORS,
+    checkpoint_dir,
+    hub_unreachable,
+    read_json,
+)
 from .placement import check_device, keep_fp32_modules, parse_dtype, place_model
 
-PIPELINE_SUBFOLDER = "transformer"
 # The weight files diffusers' `from_pretrained` reads by default (no variant), single or sharded.
 DIFFUSERS_WEIGHTS = re.compile(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors")
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
@@ -93,7 +102,7 @@ def _local_source(path: Path, subfolder: str | None = None) -> Source:
             raise ValueError(f"{path} has no subfolder {subfolder!r}; its folders: {', '.join(folders) or 'none'}")
         if (path / subfolder / MHLA_CONFIG).is_file():
             return Source("converted", str(path / subfolder))
-    elif (path / MHLA_CONFIG).is_file():
+    elif (checkpoint_dir(path) / MHLA_CONFIG).is_file():  # a converted model, or a pipeline holding one
         return Source("converted", str(path))
     for folder in (subfolder,) if subfolder is not None else (None, PIPELINE_SUBFOLDER):
         config = path / (folder or "") / "config.json"
@@ -117,6 +126,8 @@ def _hub_source(repo_id: str, revision: str | None, subfolder: str | None = None
             raise ValueError(f"hub model {repo_id} has no {subfolder}/config.json: check --subfolder")
         if subfolder is None and "model_index.json" in files:
             subfolder = PIPELINE_SUBFOLDER
+            if f"{subfolder}/{MHLA_CONFIG}" in files:  # a pipeline holding a converted transformer
+                return Source("converted", repo_id, subfolder, info.sha)
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
     except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
@@ -199,7 +210,8 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
     if source.kind == "converted":
         from .io import from_pretrained
 
-        return from_pretrained(source.location, torch_dtype=torch_dtype, device=device, revision=source.revision)
+        return from_pretrained(source.location, subfolder=source.subfolder, torch_dtype=torch_dtype, device=device,
+                               revision=source.revision)
     adapter = adapter_for_config(source.config)
     # transformers keeps the stored dtype by itself (dtype="auto"); diffusers loads float32 unless told
     dtype = parse_dtype(torch_dtype) or (stored_dtype(source) if adapter.library == "diffusers" else None)

@@ -220,7 +220,8 @@ def test_convert_skips_what_the_source_lacks(tiny, tmp_path):
     result = invoke("tiny-llama", "--out", tmp_path / "tiny")
     assert result.exit_code == 0, result.output
     assert "with the base model's" not in result.output
-    assert {p.name for p in (tmp_path / "tiny").iterdir()} == {"config.json", "model.safetensors", "mhla_config.json"}
+    assert {p.name for p in (tmp_path / "tiny").iterdir()} == {"config.json", "model.safetensors", "mhla_config.json",
+                                                        "mhla_loader.py"}
 
 
 @pytest.mark.parametrize("name", ["tiny-dit", "tiny-wan", "tiny-llama"])

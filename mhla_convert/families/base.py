@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..train.recipe import DataSpec, ObjectiveSpec
 
 _REGISTRY: dict[str, type["FamilyAdapter"]] = {}
+CONVERTED_PREFIX = "MHLA"  # a converted model's class: MHLA<base class>, a subclass of the base class
 
 
 class UnsupportedModelError(ValueError):
@@ -50,11 +51,12 @@ def _unsupported(what: str) -> UnsupportedModelError:
 
 
 def adapter_for_model(model: nn.Module) -> "FamilyAdapter":
-    name = type(model).__name__
-    for cls in families().values():
-        if name in cls.model_classes:
-            return cls()
-    raise _unsupported(f"class {name}")
+    """The adapter of `model`'s class or, for a converted model (a subclass), of its base class."""
+    for klass in type(model).__mro__:
+        for cls in families().values():
+            if klass.__name__ in cls.model_classes:
+                return cls()
+    raise _unsupported(f"class {type(model).__name__}")
 
 
 def adapter_for_family(family: str) -> "FamilyAdapter":
@@ -87,8 +89,9 @@ class FamilyAdapter:
     required, to sample: `sample` (and set `sample_kind`);
     required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
     `encode_latents`, `encode_conditions`;
+    required, to reload through the library's own loaders: `mark_converted`, `base_config`;
     optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants), `load_single_file`,
-    `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`.
+    `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`, `loader_files`.
 
     A required hook left out raises NotImplementedError naming the family and the hook.
     """
@@ -136,6 +139,22 @@ class FamilyAdapter:
         """Random keyword inputs for `model(**inputs)` on a token `grid` (diffusers) or of
         `grid[0]` tokens (LMs): what the demo, tests and smoke checks feed a model."""
         raise self._missing("example_inputs")
+
+    # --- reloading through the model's own library -------------------------------------------
+    def mark_converted(self, model: nn.Module) -> None:
+        """Give a just-converted model its converted class (`CONVERTED_PREFIX` + its class name, a
+        subclass), which the library's own loaders reload as converted (transformers_models.py,
+        diffusers_models.py)."""
+        raise self._missing("mark_converted")
+
+    def base_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """A saved converted model's config with the converted class's marks removed: the base
+        model's config, what `build` takes. A base config comes back unchanged."""
+        raise self._missing("base_config")
+
+    def loader_files(self) -> dict[str, str]:
+        """Files (name -> text) a saved checkpoint carries for its library's loaders."""
+        return {}
 
     # --- building models -------------------------------------------------------------------
     def tiny_config(self) -> dict[str, Any]:

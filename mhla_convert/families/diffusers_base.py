@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops import mhla_attention
-from .base import FamilyAdapter, UnsupportedModelError
+from .base import CONVERTED_PREFIX, FamilyAdapter, UnsupportedModelError
 
 GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
 TINY_VOCAB = 98  # the tiny text encoders' vocabulary: train/components.py's character tokenizer
@@ -232,6 +232,17 @@ class DiffusersAdapter(FamilyAdapter):
 
     def model_config(self, model: nn.Module) -> dict[str, Any]:
         return json.loads(model.to_json_string())
+
+    # --- reloading through diffusers (diffusers_models.py) ----------------------------------
+    def mark_converted(self, model: nn.Module) -> None:
+        from ..diffusers_models import converted_class
+
+        model.__class__ = converted_class(type(model))
+
+    def base_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in config.items() if k != "mhla"}
+        out["_class_name"] = out["_class_name"].removeprefix(CONVERTED_PREFIX)
+        return out
 
     # --- training --------------------------------------------------------------------------
     def denoise(self, model: nn.Module, noisy: torch.Tensor, timestep: torch.Tensor, batch: dict) -> torch.Tensor:

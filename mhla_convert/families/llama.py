@@ -202,6 +202,22 @@ class LlamaAdapter(FamilyAdapter):
         # config (not from_pretrained) lacks it.
         return {**model.config.to_dict(), "architectures": [type(model).__name__]}
 
+    # --- reloading through transformers (transformers_models.py) --------------------------
+    def mark_converted(self, model: nn.Module) -> None:
+        from ..transformers_models import mark_converted
+
+        mark_converted(model)
+
+    def base_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        from ..transformers_models import base_config
+
+        return base_config(config)
+
+    def loader_files(self) -> dict[str, str]:
+        from ..transformers_models import loader_files
+
+        return loader_files()
+
     # --- training and sampling -------------------------------------------------------------
     def objective(self, spec):
         from ..train.objectives import NextToken

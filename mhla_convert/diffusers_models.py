@@ -1,0 +1,115 @@
+"""Converted diffusers transformers as diffusers models, so pipelines reload them converted.
+
+A converted transformer is an instance of `MHLA<base class>` (e.g. `MHLAWanTransformer3DModel`, a
+subclass of `WanTransformer3DModel`) defined here. A pipeline holding one records it in
+model_index.json as ["mhla_convert.diffusers_models", "MHLAWanTransformer3DModel"], and
+`DiffusionPipeline.from_pretrained`, the family's pipeline class and the class's own
+`from_pretrained(dir, subfolder="transformer")` all load it through this class: mhla-convert's strict
+loader (`io.from_pretrained`). Diffusers resolves a library outside its own only once the process has
+imported it, so without `import mhla_convert` such a pipeline fails to load, naming this module. The
+weights are saved as model*.safetensors, which diffusers' stock loader does not read: the base class's
+own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax attention.
+
+Saved pipelines name this module and these classes: they must keep their names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import diffusers
+from diffusers import ModelMixin  # noqa: F401  diffusers looks a component library's base classes up in it
+
+from .families import adapter_for_config, families
+from .families.base import CONVERTED_PREFIX
+
+SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")  # device maps over several devices
+
+
+def _device(device_map):
+    """The one device a `device_map` names (None: where the weights are read)."""
+    if isinstance(device_map, dict) or device_map in SPREAD:
+        raise ValueError(f"a converted transformer loads onto one device; got device_map={device_map!r} "
+                         "(pass a device such as 'cuda', or move the model after loading)")
+    return device_map
+
+
+# Options diffusers' loaders pass that leave the loaded model as it is.
+NEUTRAL_OPTIONS = {"low_cpu_mem_usage", "disable_mmap", "offload_state_dict"}
+
+
+class ConvertedModel:
+    """What a converted diffusers transformer class adds to its base class (placed first among the bases)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *, subfolder: str | None = None,
+                        revision: str | None = None, torch_dtype=None, device_map=None, **options):
+        """The converted transformer saved in a directory or hub repo (`subfolder` of a pipeline),
+        through mhla-convert's strict loader. Options that would change the model (variants,
+        quantization, offloading) are refused rather than ignored."""
+        from .io import from_pretrained
+
+        unsupported = {k: v for k, v in options.items()
+                       if k not in NEUTRAL_OPTIONS and v not in (None, False) and not (k == "use_safetensors" and v)}
+        if unsupported:
+            raise ValueError(f"{cls.__name__}.from_pretrained (mhla-convert) does not support "
+                             f"{', '.join(f'{k}={v!r}' for k, v in unsupported.items())}")
+        model = from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, revision=revision,
+                                torch_dtype=torch_dtype, device=_device(device_map))
+        if not isinstance(model, cls):
+            raise ValueError(f"{pretrained_model_name_or_path} holds a {type(model).__name__}, not a {cls.__name__}")
+        return model
+
+    @classmethod
+    def from_config(cls, config, **kwargs):
+        """A converted model with random weights from a converted model's config (its "mhla" record)."""
+        from .io import redo_plan
+
+        config = dict(config)
+        meta = config.get("mhla")
+        if not meta:
+            raise ValueError(f"this config has no 'mhla' conversion record, so {cls.__name__} cannot be built "
+                             "from it; load the checkpoint with mhla_convert.from_pretrained")
+        adapter = adapter_for_config({"_class_name": _base(cls).__name__})
+        model = adapter.build(adapter.base_config(config))
+        redo_plan(model, meta)
+        return model
+
+    def save_pretrained(self, save_directory, *, safe_serialization: bool = True, variant: str | None = None,
+                        max_shard_size: int | str = "10GB", push_to_hub: bool = False, is_main_process: bool = True,
+                        **options: Any) -> None:
+        """Save atomically as `mhla_convert.save_pretrained` does (what `pipe.save_pretrained` calls
+        for this component)."""
+        refused = {k: v for k, v in dict(variant=variant, push_to_hub=push_to_hub, **options).items() if v}
+        if not safe_serialization:
+            refused["safe_serialization"] = False
+        if refused:
+            raise ValueError(f"a converted transformer saves as mhla-convert's safetensors checkpoint only (push "
+                             f"with mhla_convert.push_to_hub); {type(self).__name__}.save_pretrained does not "
+                             f"support {', '.join(f'{k}={v!r}' for k, v in refused.items())}")
+        if is_main_process:
+            from .io import save_pretrained
+
+            save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+
+
+def _converted(base: type) -> type:
+    name = CONVERTED_PREFIX + base.__name__
+    return type(name, (ConvertedModel, base), {"__module__": __name__, "__qualname__": name})
+
+
+CONVERTED = {  # base class name -> converted class
+    name: _converted(getattr(diffusers, name))
+    for adapter in families().values() if adapter.library == "diffusers" for name in adapter.model_classes
+}
+globals().update({cls.__name__: cls for cls in CONVERTED.values()})
+__all__ = sorted(cls.__name__ for cls in CONVERTED.values())
+
+
+def _base(cls: type) -> type:
+    return next(c for c in cls.__mro__ if c.__name__ in CONVERTED)
+
+
+def converted_class(cls: type) -> type:
+    """The converted class of a diffusers transformer class (itself if already converted)."""
+    return CONVERTED[_base(cls).__name__]

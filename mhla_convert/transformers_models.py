@@ -1,0 +1,143 @@
+"""Converted causal LMs as transformers models, so `AutoModelForCausalLM.from_pretrained` reloads them.
+
+A converted LM is an instance of `MHLA<base class>` (e.g. `MHLALlamaForCausalLM`, a subclass of
+`LlamaForCausalLM`) with a config of `MHLA<base config class>`, whose `model_type` is `mhla_<base
+type>`. Both are registered with transformers' Auto classes when mhla_convert is imported. The config
+carries the conversion record under "mhla"; `__init__` redoes that plan on the freshly built base
+architecture, so transformers' own loader fills in exactly the saved weights (any missing or
+unexpected key is an error). A saved directory also holds `mhla_loader.py`, named by the config's
+`auto_map`: with `trust_remote_code=True` a process that has not imported mhla_convert imports it
+through that module, or is told to `pip install mhla-convert`. Without either, transformers refuses the
+unknown model type: a converted LM never loads as its base model through the Auto classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .families import adapter_for_family
+from .families.base import CONVERTED_PREFIX
+
+FAMILY = "llama"  # the transformers family (families/llama.py)
+MODEL_TYPE_PREFIX = "mhla_"
+LOADER_MODULE = "mhla_loader"
+
+LOADER_SOURCE = '''"""Loads this MHLA-converted model through transformers' Auto classes (trust_remote_code=True):
+its model and config classes are mhla-convert's."""
+
+try:
+    from mhla_convert.transformers_models import *  # noqa: F401,F403
+except ModuleNotFoundError as error:
+    if not (error.name or "").startswith("mhla_convert"):
+        raise
+    raise ImportError(
+        "this model was converted to Multi-Head Linear Attention by mhla-convert, which loads it: "
+        "pip install -U mhla-convert"
+    ) from error
+'''
+
+
+class ConvertedCausalLM:
+    """What a converted LM class adds to its base class (placed first among the bases)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        meta = getattr(config, "mhla", None)
+        if not meta:
+            raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
+                             "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
+        from .io import recorded_source, redo_plan
+        from .locations import SOURCE_ATTR
+
+        redo_plan(self, meta)
+        setattr(self, SOURCE_ATTR, recorded_source(meta))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loader, made strict: a weight the plan does not expect, or one it lacks, is an
+        error rather than a warning over a partly random model."""
+        from .io import restore_buffer_dtypes
+
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+        if wrong:
+            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not match its MHLA plan: {wrong}")
+        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):  # as saved: outputs match bitwise
+            restore_buffer_dtypes(model, model.config.mhla.get("buffer_dtypes", {}))
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """transformers' save with the current conversion record, plus the loader module and
+        mhla_config.json (`mhla_convert.save_pretrained` is the atomic equivalent)."""
+        if push_to_hub:
+            raise ValueError("push a converted model with mhla_convert.push_to_hub (or `mhla-convert push`), "
+                             "which uploads its MHLA files and model card")
+        from .io import mhla_metadata, write_mhla_files
+
+        meta = mhla_metadata(self)
+        self.config.mhla = meta
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            write_mhla_files(Path(save_directory), meta)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """Kept out of transformers' remote-code bookkeeping, which would copy this package's source
+        into every save: a saved converted model carries `mhla_loader.py` instead."""
+
+
+def _converted(base_model: type) -> tuple[type, type]:
+    base_config = base_model.config_class
+    config_name, model_name = CONVERTED_PREFIX + base_config.__name__, CONVERTED_PREFIX + base_model.__name__
+    config = type(config_name, (base_config,), {
+        "__module__": __name__, "__qualname__": config_name,
+        "model_type": MODEL_TYPE_PREFIX + base_config.model_type,
+        "register_for_auto_class": classmethod(lambda cls, auto_class="AutoConfig": None),
+    })
+    model = type(model_name, (ConvertedCausalLM, base_model), {
+        "__module__": __name__, "__qualname__": model_name, "config_class": config,
+    })
+    return config, model
+
+
+def _register() -> dict[str, tuple[type, type]]:
+    import transformers
+
+    classes = {}
+    for name in adapter_for_family(FAMILY).model_classes:
+        config, model = classes[name] = _converted(getattr(transformers, name))
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+        globals().update({config.__name__: config, model.__name__: model})
+    return classes
+
+
+CONVERTED = _register()  # base class name -> (config class, model class)
+__all__ = sorted(cls.__name__ for pair in CONVERTED.values() for cls in pair)
+
+
+def mark_converted(model: nn.Module) -> None:
+    """Give a converted LM (and its config) the converted classes, and the config its `auto_map`."""
+    base = next(c for c in type(model).__mro__ if c.__name__ in CONVERTED)
+    config, converted = CONVERTED[base.__name__]
+    model.__class__, model.config.__class__ = converted, config
+    model.config.auto_map = {"AutoConfig": f"{LOADER_MODULE}.{config.__name__}",
+                             "AutoModelForCausalLM": f"{LOADER_MODULE}.{converted.__name__}"}
+
+
+def base_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A converted LM's saved config as its base model's config (a base config comes back unchanged)."""
+    out = {k: v for k, v in config.items() if k not in ("mhla", "auto_map")}
+    out["model_type"] = out["model_type"].removeprefix(MODEL_TYPE_PREFIX)
+    if out.get("architectures"):
+        out["architectures"] = [name.removeprefix(CONVERTED_PREFIX) for name in out["architectures"]]
+    return out
+
+
+def loader_files() -> dict[str, str]:
+    return {f"{LOADER_MODULE}.py": LOADER_SOURCE}

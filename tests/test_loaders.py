@@ -1,0 +1,261 @@
+"""Converted models through the libraries' own loaders: transformers' Auto classes, diffusers
+pipelines; outputs identical after each round trip, or a loud error naming mhla-convert."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import diffusers
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from mhla_convert import convert, from_pretrained, save_pretrained
+from mhla_convert.families import adapter_for_model
+from mhla_convert.io import mhla_metadata
+from mhla_convert.locations import MHLA_CONFIG
+from mhla_convert.train.components import pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+LMS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
+GRIDS = {"tiny-sana": (7, 9), "tiny-dit": (6, 6), "tiny-wan": (3, 4, 5), "tiny-pixart": (7, 9)}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _sample(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def _lm(tiny, name="tiny-llama"):
+    model = tiny(name)
+    convert(model, ratio=0.5)
+    return model, torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", LMS)
+def test_auto_model_reloads_a_converted_lm_and_its_own_save(tiny, tmp_path, name):
+    model, ids = _lm(tiny, name)
+    expected = _logits(model, ids)
+    loaded = AutoModelForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "ckpt"))
+    assert type(loaded) is type(model) and type(model).__name__ == "MHLA" + type(tiny(name)).__name__
+    assert loaded.mhla_plan["layers"] == model.mhla_plan["layers"]
+    assert torch.equal(_logits(loaded, ids), expected)
+    loaded.save_pretrained(tmp_path / "resaved")  # transformers' save of the reloaded model
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "resaved"), ids), expected)
+    assert torch.equal(_logits(from_pretrained(tmp_path / "resaved"), ids), expected)
+
+
+def test_transformers_save_of_tied_embeddings_reloads_through_mhla_convert(tmp_path):
+    """transformers stores a tied lm_head only as the embedding; the strict loader restores the tie."""
+    from mhla_convert.families import adapter_for_family
+
+    adapter = adapter_for_family("llama")
+    torch.manual_seed(0)
+    model = adapter.build({**adapter.tiny_configs()["tiny-qwen2"], "tie_word_embeddings": True}).eval()
+    convert(model, ratio=0.5)
+    model.save_pretrained(tmp_path / "tied")
+    ids = torch.randint(0, 128, (2, 24))
+    for loaded in (from_pretrained(tmp_path / "tied"), AutoModelForCausalLM.from_pretrained(tmp_path / "tied")):
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+
+
+def test_auto_model_refuses_weights_that_do_not_match_the_plan(tiny, tmp_path):
+    model, _ = _lm(tiny)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    weights = load_file(path / "model.safetensors")
+    dropped = next(k for k in weights if k.endswith("mixing"))
+    save_file({k: v for k, v in weights.items() if k != dropped}, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match its MHLA plan.*mixing"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def _run_python(code: str, tmp_path: Path, *, block_mhla: bool) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter that never imports mhla_convert itself; with `block_mhla` it
+    cannot import it at all, as where mhla-convert is not installed."""
+    block = textwrap.dedent("""
+        import importlib.abc, sys
+
+        class NotInstalled(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "mhla_convert":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+        sys.meta_path.insert(0, NotInstalled())
+    """) if block_mhla else ""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    return subprocess.run([sys.executable, "-c", block + textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_without_mhla_convert_the_stock_loaders_fail_loudly(tiny, tmp_path):
+    model, _ = _lm(tiny)
+    lm = save_pretrained(model, tmp_path / "lm")
+    dit = tiny("tiny-dit")
+    convert(dit, ratio=0.5)
+    pipe = tmp_path / "pipe"
+    pipeline("dit", dit, "tiny-dit").save_pretrained(pipe)
+    result = _run_python(f"""
+        import json, diffusers, transformers
+
+        def error(load):
+            try:
+                load()
+            except Exception as e:
+                return f"{{type(e).__name__}}: {{e}}"
+            return "loaded"
+
+        auto = transformers.AutoModelForCausalLM.from_pretrained
+        errors = {{
+            "untrusted": error(lambda: auto({str(lm)!r})),
+            "trusted": error(lambda: auto({str(lm)!r}, trust_remote_code=True)),
+            "pipeline": error(lambda: diffusers.DiffusionPipeline.from_pretrained({str(pipe)!r})),
+            "family pipeline": error(lambda: diffusers.DiTPipeline.from_pretrained({str(pipe)!r})),
+            "base class": error(lambda: diffusers.DiTTransformer2DModel.from_pretrained({str(pipe)!r},
+                                                                                      subfolder="transformer")),
+        }}
+        print("ERRORS", json.dumps(errors))
+    """, tmp_path, block_mhla=True)
+    assert result.returncode == 0 and "ERRORS" in result.stdout, result.stdout + result.stderr
+    lines = json.loads(result.stdout.split("ERRORS", 1)[1])
+    assert "trust_remote_code=True" in lines["untrusted"]  # transformers' refusal; trusting leads on to:
+    assert lines["trusted"].startswith("ImportError") and "pip install -U mhla-convert" in lines["trusted"]
+    for key in ("pipeline", "family pipeline"):
+        assert "import mhla_convert.diffusers_models" in lines[key], lines[key]
+    assert "no file named diffusion_pytorch_model" in lines["base class"]  # rather than softmax attention
+
+
+def test_trust_remote_code_loads_a_converted_lm_in_a_process_that_did_not_import_mhla_convert(tiny, tmp_path):
+    model, ids = _lm(tiny, "tiny-qwen3")
+    path = save_pretrained(model, tmp_path / "lm")
+    torch.save({"ids": ids, "logits": _logits(model, ids)}, tmp_path / "expected.pt")
+    result = _run_python(f"""
+        import sys, torch, transformers
+
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(path)!r}, trust_remote_code=True)
+        with torch.no_grad():
+            same = torch.equal(model(expected["ids"]).logits, expected["logits"])
+        print(type(model).__name__, "mhla_convert" in sys.modules, same)
+    """, tmp_path, block_mhla=False)
+    assert result.stdout.split() == ["MHLAQwen3ForCausalLM", "True", "True"], result.stdout + result.stderr
+
+
+def _images(adapter, pipe, name):
+    return adapter.generate(pipe, name, generator=torch.Generator().manual_seed(0), steps=2, output_type="np",
+                            prompt="a red cube")
+
+
+@pytest.mark.parametrize("name", ["tiny-sana", "tiny-dit", "tiny-wan"])
+def test_a_saved_pipeline_reloads_its_converted_transformer(tiny, tmp_path, name):
+    model = tiny(name)
+    convert(model, ratio=0.5)
+    adapter = adapter_for_model(model)
+    pipe = pipeline(adapter.name, model, name)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(tmp_path / "pipe")
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    assert index["transformer"] == ["mhla_convert.diffusers_models", type(model).__name__]
+    torch.manual_seed(0)
+    inputs = adapter.example_inputs(model, GRIDS[name], 2)
+    expected = _sample(model, inputs)
+    family_pipeline = getattr(diffusers, adapter.pipeline_class)
+    loaded = {
+        "DiffusionPipeline": diffusers.DiffusionPipeline.from_pretrained(tmp_path / "pipe").transformer,
+        adapter.pipeline_class: family_pipeline.from_pretrained(tmp_path / "pipe").transformer,
+        "class": type(model).from_pretrained(tmp_path / "pipe", subfolder="transformer"),
+    }
+    for how, transformer in loaded.items():
+        assert type(transformer) is type(model), how
+        assert torch.equal(_sample(transformer, inputs), expected), how
+    if name != "tiny-wan":  # a video pipeline run is slow on CPU; its transformer is checked above
+        reloaded = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "pipe")
+        reloaded.set_progress_bar_config(disable=True)
+        assert np.array_equal(_images(adapter, reloaded, name), _images(adapter, pipe, name))
+
+
+def test_converted_transformer_refuses_loader_options_it_would_ignore(tiny, tmp_path):
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="variant='fp16'"):
+        type(model).from_pretrained(path, variant="fp16")
+    with pytest.raises(ValueError, match="one device"):
+        type(model).from_pretrained(path, device_map="auto")
+    with pytest.raises(ValueError, match="variant='fp16'"):
+        model.save_pretrained(tmp_path / "other", variant="fp16")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-wan"])
+def test_checkpoints_of_format_1_keep_loading(tiny, run_model, tmp_path, name):
+    """Format 1 kept the base model's own config in config.json and no loader files: written here as
+    that version's save_pretrained wrote it."""
+    model = tiny(name)
+    adapter = adapter_for_model(model)
+    base_config = adapter.model_config(model)
+    convert(model, ratio=0.5)
+    old = tmp_path / "old"
+    save_pretrained(model, old)
+    (old / "config.json").write_text(json.dumps(base_config, indent=2, sort_keys=True))
+    (old / "mhla_loader.py").unlink(missing_ok=True)
+    meta = {**mhla_metadata(model), "format_version": 1}
+    (old / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))
+    assert "MHLA" not in (old / "config.json").read_text()
+    torch.manual_seed(0)
+    inputs = adapter.example_inputs(model, GRIDS.get(name, (16,)), 2)
+    reloaded = from_pretrained(old)
+    assert type(reloaded) is type(model)
+    assert torch.equal(run_model(reloaded, inputs), run_model(model, inputs))
+    save_pretrained(reloaded, tmp_path / "new")  # re-saving writes the current format
+    assert json.loads((tmp_path / "new" / MHLA_CONFIG).read_text())["format_version"] == 2
+
+
+def test_cli_writes_a_pipeline_from_a_pipeline_directory(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert.cli import app
+
+    source = tmp_path / "source"
+    pipe = pipeline("sana", tiny("tiny-sana"), "tiny-sana")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(source)
+    result = CliRunner().invoke(app, [str(source), "--pipeline", "--ratio", "0.5", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in source.iterdir())
+    for part in ("vae", "text_encoder", "tokenizer", "scheduler"):  # copied file for file
+        for file in (source / part).iterdir():
+            assert (out / part / file.name).read_bytes() == file.read_bytes()
+    loaded = diffusers.DiffusionPipeline.from_pretrained(out)
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded).__name__ == "SanaPipeline" and loaded.transformer.mhla_plan["layers"] == [1, 3, 5]
+    converted = from_pretrained(out)  # mhla-convert's loader finds the transformer in a pipeline directory
+    torch.manual_seed(0)
+    inputs = adapter_for_model(converted).example_inputs(converted, GRIDS["tiny-sana"], 2)
+    assert torch.equal(_sample(loaded.transformer, inputs), _sample(converted, inputs))
+    adapter = adapter_for_model(converted)
+    assert _images(adapter, loaded, "tiny-sana").shape[-1] == 3  # the whole pipeline runs
+
+
+def test_cli_pipeline_needs_a_pipeline_source(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert.cli import app
+
+    tiny("tiny-dit").save_pretrained(tmp_path / "bare")  # a transformer folder, no model_index.json
+    for source in (str(tmp_path / "bare"), "tiny-llama"):
+        result = CliRunner().invoke(app, [source, "--pipeline", "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2 and "--pipeline" in result.output, result.output
+    assert not (tmp_path / "out").exists()
