@@ -38,7 +38,8 @@ def check_mhla_options(mhla_options: dict) -> None:
     unknown = sorted(set(mhla_options) - set(USER_OPTIONS))
     if unknown:
         raise ValueError(f"unknown MHLA options {unknown}; allowed: {list(USER_OPTIONS)}")
-    MHLAConfig(**mhla_options)
+    # causal or not is the family's: exact chunks are checked here as if causal, against the family later
+    MHLAConfig(**{"causal": bool(mhla_options.get("exact_chunks")), **mhla_options})
 
 
 def check_options(*, ratio=1.0, strategy="spread", layers=None, blocks=None, attention="mhla", **mhla_options) -> None:

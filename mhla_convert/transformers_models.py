@@ -114,7 +114,24 @@ def _register() -> dict[str, tuple[type, type]]:
         AutoConfig.register(config.model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
         globals().update({config.__name__: config, model.__name__: model})
+    _register_peft_targets([config.model_type for config, _ in classes.values()])
     return classes
+
+
+def _register_peft_targets(model_types: list[str]) -> None:
+    """PEFT picks default target modules by `model_type` from its tables: a converted LM keeps its host's
+    module names, so it gets its host's entries (LoRA: q_proj, v_proj)."""
+    try:
+        from peft.utils import constants
+    except ImportError:  # no PEFT, nothing to tell it
+        return
+    tables = [t for name, t in vars(constants).items() if name.startswith("TRANSFORMERS_MODELS_TO_")
+              and name.endswith("_MAPPING") and isinstance(t, dict)]
+    for model_type in model_types:
+        host = model_type.removeprefix(MODEL_TYPE_PREFIX)
+        for table in tables:
+            if host in table:
+                table.setdefault(model_type, table[host])
 
 
 CONVERTED = _register()  # base class name -> (config class, model class)
