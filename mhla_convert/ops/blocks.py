@@ -46,7 +46,10 @@ class BlockLayout:
 
     @classmethod
     def create(cls, grid, blocks) -> "BlockLayout":
-        """Validated layout of `blocks` over `grid`; cached, as every operator call asks for one."""
+        """Validated layout of `blocks` over `grid`; cached, as every eager operator call asks for one (a
+        traced call is made once: it builds its layout without the cache, which torch.compile would not keep)."""
+        if torch.compiler.is_compiling():
+            return cls._build(grid, blocks)
         try:
             return _cached_layout(grid, blocks)
         except TypeError:  # unhashable (lists): the same layout through tuples
