@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import mhla_convert
 from mhla_convert.families import adapter_for_model, families
@@ -133,6 +134,23 @@ def test_inductor_compiled_model_equals_eager(tiny):
         want = _main(model(**inputs))
         got = _main(torch.compile(model, fullgraph=True)(**inputs))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["grid", "causal"])
+def test_dynamic_token_count_compiles_once(causal):
+    """With dynamic shapes one graph serves every sequence length / grid (the op's layout is symbolic)."""
+    torch.manual_seed(0)
+    config = MHLAConfig(causal=True, chunk_size=4, window=3) if causal else MHLAConfig(blocks=(2, 2))
+    layer = MHLAttention(24, 4, num_kv_heads=2, config=config)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, grid: layer(x, grid), fullgraph=True, backend=counter, dynamic=True)
+    frames = []
+    for n in (10, 13, 30):
+        grid = None if causal else (n // 2, 2)
+        x = torch.randn(2, n if causal else n // 2 * 2, 24)
+        torch.testing.assert_close(compiled(x, grid), layer(x, grid), rtol=1e-6, atol=1e-6)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1]  # no recompilation
 
 
 def test_compiled_layer_with_callable_feature_map_traces_inline():

@@ -147,8 +147,9 @@ def mhla_attention_torch(q, k, v, mixing, layout: BlockLayout, *, causal, phi, n
 # op; the backend is chosen inside, at run time, so no dispatch, logging or kernel cache is ever traced. Eager calls
 # keep the direct path (`mhla_attention`), which skips the dispatcher's host time; callable feature maps, which no
 # op schema can carry, are traced inline.
-_ARGS = ("int[] grid, int[] blocks, int[] block_size, bool causal, str feature_map, bool normalize, float scale, "
-         "float eps, str backend")
+# (SymInt: a dynamic token count stays symbolic, so one graph serves every length)
+_ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, bool causal, str feature_map, bool normalize, "
+         "float scale, float eps, str backend")
 
 
 def _backend(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, backend):
