@@ -183,7 +183,8 @@ def recurrent_step_op(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, r
 
 @recurrent_step_op.register_fake
 def _(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, *rest):
-    return q.new_empty(*q.shape[:3], v.shape[-1]), torch.empty_like(cur_s), torch.empty_like(cur_z)
+    return tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
+                 for shape, t in (((*q.shape[:3], v.shape[-1]), q), (cur_s.shape, cur_s), (cur_z.shape, cur_z)))
 
 
 @torch.library.custom_op(
