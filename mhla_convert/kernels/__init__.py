@@ -5,11 +5,11 @@ of the recurrent decoding step and of the q/k norm + rotary op; without Triton t
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from ..ops.dispatch import register
-from .mhla_triton import mhla_attention_triton, supports, unsupported_reason
+from .mhla_triton import mhla_attention_triton, mhla_attention_triton_backward, supports, unsupported_reason
 from .recurrent_triton import mhla_recurrent_step_triton, step_supports, step_unsupported_reason
 from .rotary_triton import norm_rotate_supports, norm_rotate_triton, norm_rotate_unsupported_reason
 
-register("attention", "triton", mhla_attention_triton, supports)
+register("attention", "triton", mhla_attention_triton, supports, mhla_attention_triton_backward)
 register("step", "triton", mhla_recurrent_step_triton, step_supports)
 register("rotary", "triton", norm_rotate_triton, norm_rotate_supports)
 

@@ -686,9 +686,8 @@ class MHLAFunction(torch.autograd.Function):
         return dq, dk, dv, dmix, None
 
 
-def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
-    """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv are written with q's, k's, v's strides
+def _plan_for(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Plan:
+    """The plan of contiguous inputs; raises when the kernels do not take them."""
     # (every dtype and device: a plan is made only for inputs the kernels take, so a known key needs no check)
     key = (q.shape, k.shape, v.shape, mixing.shape, q.dtype, k.dtype, v.dtype, mixing.dtype, q.device, k.device,
            v.device, mixing.device, layout, causal, id(phi), normalize, scale, eps)
@@ -701,9 +700,29 @@ def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, 
         if len(_PLANS) > 1024:
             _PLANS.clear()
         _PLANS[key] = plan
+    return plan
+
+
+def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
+    """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv are written with q's, k's, v's strides
+    plan = _plan_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mixing.requires_grad):
         return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
     return _inference(plan, q, k, v, mixing.contiguous())
+
+
+def mhla_attention_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps,
+                                   needs_grad):
+    """(dq, dk, dv, dmixing) from the inputs alone: `MHLAFunction`'s forward launches again, then its backward's
+    (the backward of the custom op `ops.mhla.attention_op`, which keeps nothing from its forward). dmixing is
+    zeros unless needs_grad[3]."""
+    q, k, v, mixing = q.contiguous(), k.contiguous(), v.contiguous(), mixing.contiguous()
+    plan = _plan_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    f = _static(plan, q.device)
+    s, st, o = _forward(plan, q, k, v, mixing, f=f)
+    dq, dk, dv, dmix = _backward(plan, q, k, v, mixing, s, st, o, do.contiguous(), needs_grad[3], f)
+    return dq, dk, dv, torch.zeros_like(mixing) if dmix is None else dmix
 
 
 def _inference(p: _Plan, q, k, v, mixing):

@@ -61,7 +61,10 @@ class BlockLayout:
 
     @classmethod
     def create(cls, grid, blocks) -> "BlockLayout":
-        """Validated layout of `blocks` over `grid`; cached, as every operator call asks for one."""
+        """Validated layout of `blocks` over `grid`; cached, as every eager operator call asks for one (a
+        traced call is made once: it builds its layout without the cache, which torch.compile would not keep)."""
+        if torch.compiler.is_compiling():
+            return cls._build(grid, blocks)
         # checked before the cache: (2.0, 2.0) hashes like (2, 2) and must not find its layout there
         return _cached_layout(as_axes("grid", grid), as_axes("blocks", blocks))
 

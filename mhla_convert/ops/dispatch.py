@@ -6,7 +6,8 @@ accepts the inputs (device, dtype, shapes, …), else torch, logging the choice 
 a named backend is returned as is (its implementation refuses inputs it cannot take, by name).
 
 Operators and their implementation signatures:
-- "attention": `ops.mhla.mhla_attention_torch`; supports(q, k, v, mixing, layout, *, causal, phi);
+- "attention": `ops.mhla.mhla_attention_torch`; supports(q, k, v, mixing, layout, *, causal, phi); an optional
+  backward(do, q, k, v, mixing, layout, *, causal, phi, normalize, scale, eps, needs_grad) → (dq, dk, dv, dmixing);
 - "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
   supports(state, q, k, v, relative, *, phi);
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm).
@@ -17,21 +18,34 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
+
 logger = logging.getLogger("mhla_convert.ops")
 
 OPS = ("attention", "step", "rotary")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
+_BACKWARDS: dict[Callable, Callable] = {}
 _logged: set[tuple] = set()
 _loaded = False
 
 
-def register(op: str, name: str, impl: Callable, supports: Callable[..., bool]) -> None:
+def register(op: str, name: str, impl: Callable, supports: Callable[..., bool],
+             backward: Callable | None = None) -> None:
+    """`backward`: the gradients of `impl` from its inputs alone, for the op's backward under torch.compile (see
+    `ops.mhla.attention_op`); without one, `impl` runs again under `torch.func.vjp`."""
     _REGISTRY[op][name] = (impl, supports)
+    if backward is not None:
+        _BACKWARDS[impl] = backward
 
 
-def register_backend(name: str, impl: Callable, supports: Callable[..., bool]) -> None:
+def backward_of(impl: Callable) -> Callable | None:
+    return _BACKWARDS.get(impl)
+
+
+def register_backend(name: str, impl: Callable, supports: Callable[..., bool],
+                     backward: Callable | None = None) -> None:
     """A backend of `mhla_attention` (the public extension point)."""
-    register("attention", name, impl, supports)
+    register("attention", name, impl, supports, backward)
 
 
 def _load_optional_backends() -> None:
@@ -70,6 +84,8 @@ def select(op: str, backend: str, torch_impl: Callable, *args, **kwargs) -> Call
 
 
 def _log_once(op: str, name: str, args) -> None:
+    if torch.compiler.is_compiling():  # (a traced graph neither logs nor keeps this set)
+        return
     x = next(a for a in args if hasattr(a, "dtype"))  # the first tensor argument
     key = (op, name, x.device.type, x.dtype)
     if key not in _logged:

@@ -5,6 +5,9 @@ Semantics (paper §4, App. C), the contract every backend must meet:
     w_ts = mixing[b(t), b(s)] · scale · φ(q_t)·φ(k_s)       over all s   (s ≤ t when causal)
     o_t  = Σ_s w_ts v_s / (Σ_s w_ts + eps)                  (no denominator if normalize=False)
 
+Under torch.compile the operator is one custom op, `torch.ops.mhla_convert.attention` (see
+`attention_op`), so a converted model traces whole whatever backend runs inside it.
+
 The torch path never forms w: it builds one key–value summary per block (S_b = Σ φ(k) vᵀ,
 z_b = Σ φ(k)), mixes them with one GEMM (S̃_i = Σ_b m_ib S_b) and reads each query out against its
 block's mixture — O(N·d² + M²·d²). The causal path is the chunkwise form: closed chunks enter
@@ -21,9 +24,10 @@ from typing import Literal
 import torch
 
 from .blocks import BlockLayout, as_axes
-from .dispatch import available_backends, select
+from .dispatch import available_backends, backward_of, select
 from .exact_local import mhla_attention_exact_local_torch
-from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
+from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
+from .library import grads_by_recompute
 
 Backend = Literal["auto", "torch", "triton"]
 # Names always accepted as options: a model saved for "triton" still loads where Triton is missing
@@ -137,6 +141,9 @@ def mhla_attention(
         return mhla_attention_exact_local_torch(
             q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
     k = drop_keys(k, key_mask)
+    if torch.compiler.is_compiling() and isinstance(feature_map, str):
+        return attention_op(q, k, v, mixing, layout.grid, layout.blocks, layout.block_size, causal, feature_map,
+                            normalize, scale, eps, backend)
     impl = select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal, phi=phi)
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
 
@@ -177,3 +184,72 @@ def mhla_attention_torch(q, k, v, mixing, layout: BlockLayout, *, causal, phi, n
             den = den + a.sum(-1, keepdim=True)
     out = num / (den + eps) if normalize else num
     return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
+
+
+# --- the operator as a PyTorch custom op --------------------------------------------------------------------------
+# torch.compile sees one opaque node per call, with a fake (shape-only) implementation for tracing and a backward
+# op; the backend is chosen inside, at run time, so no dispatch, logging or kernel cache is ever traced. Eager calls
+# keep the direct path (`mhla_attention`), which skips the dispatcher's host time; callable feature maps, which no
+# op schema can carry, are traced inline.
+# (SymInt: a dynamic token count stays symbolic, so one graph serves every length)
+_ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, bool causal, str feature_map, bool normalize, "
+         "float scale, float eps, str backend")
+
+
+def _backend(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, backend):
+    """(implementation, layout, φ) for the op's arguments."""
+    layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
+    phi = FEATURE_MAPS[feature_map]
+    impl = select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal, phi=phi)
+    return impl, layout, phi
+
+
+@torch.library.custom_op("mhla_convert::attention", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, Tensor mixing, {_ARGS}) -> Tensor")
+def attention_op(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, normalize, scale, eps, backend):
+    """`mhla_attention` on checked inputs: the layout as (grid, blocks, block_size) of a `BlockLayout`, the
+    feature map by name, the scale resolved. Output (B, N, H, D_v), contiguous, in q's dtype."""
+    impl, layout, phi = _backend(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, backend)
+    return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps).contiguous()
+
+
+@attention_op.register_fake
+def _(q, k, v, mixing, *options):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op(
+    "mhla_convert::attention_backward", mutates_args=(),
+    schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, bool[] needs_grad, {_ARGS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def attention_backward_op(grad, q, k, v, mixing, needs_grad, grid, blocks, block_size, causal, feature_map,
+                          normalize, scale, eps, backend):
+    """(dq, dk, dv, dmixing) of `attention_op`, from the inputs alone: the backend's registered backward
+    (which runs its forward again), else its forward again under `torch.func.vjp`. Where `needs_grad` is False
+    the gradient is zeros or the true one, whichever is cheaper for the backend."""
+    impl, layout, phi = _backend(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, backend)
+    options = dict(causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    backward = backward_of(impl)
+    if backward is not None:
+        return tuple(g.contiguous() for g in backward(grad, q, k, v, mixing, layout, **options, needs_grad=needs_grad))
+    return grads_by_recompute(lambda *inputs: (impl(*inputs, layout, **options),), (q, k, v, mixing), (grad,),
+                              needs_grad)
+
+
+@attention_backward_op.register_fake
+def _(grad, q, k, v, mixing, *rest):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, mixing))
+
+
+def _setup_attention(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.options = inputs[4:]
+
+
+def _attention_grads(ctx, grad):
+    grads = attention_backward_op(grad, *ctx.saved_tensors, list(ctx.needs_input_grad[:4]), *ctx.options)
+    return (*grads, *[None] * len(ctx.options))
+
+
+attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)

@@ -19,7 +19,10 @@ import torch
 
 from .blocks import BlockLayout
 from .dispatch import select
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FEATURE_MAPS, FeatureMap, resolve_feature_map
+from .library import grads_by_recompute
+
+_STATE_TENSORS = ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z")
 
 
 @dataclass
@@ -42,8 +45,12 @@ class MHLAState:
 
     def map(self, fn) -> "MHLAState":
         """Apply fn to every tensor (device moves, beam reordering)."""
-        tensors = {f: fn(getattr(self, f)) for f in ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z")}
+        tensors = {f: fn(getattr(self, f)) for f in _STATE_TENSORS}
         return MHLAState(self.chunk_size, self.window, self.position, **tensors)
+
+
+def _tensors(state: MHLAState) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(state, f) for f in _STATE_TENSORS)
 
 
 def _keep(window: int) -> int:
@@ -97,9 +104,13 @@ def mhla_recurrent_step(
     if relative.shape[-1] != state.window or relative.dim() not in (1, 2):
         raise ValueError(f"relative mixing must be (W,) or (H, W) with W = {state.window}; got {tuple(relative.shape)}")
     phi = resolve_feature_map(feature_map)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    impl = select("step", backend, step_torch, state, q, k, v, relative, phi=phi)
-    out, cur_s, cur_z = impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling() and isinstance(feature_map, str):
+        out, cur_s, cur_z = recurrent_step_op(*_tensors(state), q, k, v, relative, feature_map, normalize, scale, eps,
+                                              backend)
+    else:
+        impl = select("step", backend, step_torch, state, q, k, v, relative, phi=phi)
+        out, cur_s, cur_z = impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
     return out, advance(state, cur_s, cur_z)
 
 
@@ -148,3 +159,67 @@ def advance(state: MHLAState, cur_s: torch.Tensor, cur_z: torch.Tensor) -> MHLAS
             recent_s, recent_z = recent_s[:, :, 1:], recent_z[:, :, 1:]
         cur_s, cur_z = torch.zeros_like(cur_s), torch.zeros_like(cur_z)
     return MHLAState(state.chunk_size, state.window, position, cur_s, cur_z, recent_s, recent_z, far_s, far_z)
+
+
+# --- the step as a PyTorch custom op (see `ops.mhla.attention_op`) ---------------------------------------------------
+_STEP_ARGS = ("Tensor cur_s, Tensor cur_z, Tensor recent_s, Tensor recent_z, Tensor far_s, Tensor far_z, Tensor q, "
+              "Tensor k, Tensor v, Tensor relative")
+_STEP_OPTIONS = "str feature_map, bool normalize, float scale, float eps, str backend"
+
+
+def _run_step(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, relative, feature_map, normalize, scale, eps,
+              backend, *, impl=None):
+    # the step kernels read the state's tensors, the window and the closed-chunk count; its counters are unused
+    state = MHLAState(0, relative.shape[-1], 0, cur_s, cur_z, recent_s, recent_z, far_s, far_z)
+    phi = FEATURE_MAPS[feature_map]
+    impl = impl or select("step", backend, step_torch, state, q, k, v, relative, phi=phi)
+    return impl(state, q, k, v, relative, phi=phi, normalize=normalize, scale=scale, eps=eps)
+
+
+@torch.library.custom_op("mhla_convert::recurrent_step", mutates_args=(),
+                         schema=f"({_STEP_ARGS}, {_STEP_OPTIONS}) -> (Tensor, Tensor, Tensor)")
+def recurrent_step_op(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, relative, feature_map, normalize,
+                      scale, eps, backend):
+    """The step on the state's six tensors (`MHLAState` order), the feature map by name and the scale resolved:
+    (output (B, 1, H, Dv) in q's dtype, the open chunk's new summary and z), new contiguous tensors."""
+    out = _run_step(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, relative, feature_map, normalize, scale,
+                    eps, backend)
+    return tuple(t.contiguous() for t in out)
+
+
+@recurrent_step_op.register_fake
+def _(cur_s, cur_z, recent_s, recent_z, far_s, far_z, q, k, v, *rest):
+    return tuple(torch.empty(shape, dtype=t.dtype, device=t.device)
+                 for shape, t in (((*q.shape[:3], v.shape[-1]), q), (cur_s.shape, cur_s), (cur_z.shape, cur_z)))
+
+
+@torch.library.custom_op(
+    "mhla_convert::recurrent_step_backward", mutates_args=(),
+    schema=f"(Tensor grad_out, Tensor grad_s, Tensor grad_z, {_STEP_ARGS}, bool[] needs_grad, {_STEP_OPTIONS}) "
+           "-> Tensor[]",
+)
+def recurrent_step_backward_op(grad_out, grad_s, grad_z, *args):
+    """The gradients of `recurrent_step_op` with respect to its ten tensors (zeros where `needs_grad` is False),
+    through the torch step, whatever backend ran forward (the step kernel has no backward)."""
+    tensors, needs_grad, options = args[:10], args[10], args[11:]
+    step = lambda *inputs: _run_step(*inputs, *options, impl=step_torch)  # noqa: E731
+    return list(grads_by_recompute(step, tensors, (grad_out, grad_s, grad_z), needs_grad))
+
+
+@recurrent_step_backward_op.register_fake
+def _(grad_out, grad_s, grad_z, *args):
+    return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in args[:10]]
+
+
+def _setup_step(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:10])
+    ctx.options = inputs[10:]
+
+
+def _step_grads(ctx, grad_out, grad_s, grad_z):
+    grads = recurrent_step_backward_op(grad_out, grad_s, grad_z, *ctx.saved_tensors, list(ctx.needs_input_grad[:10]),
+                                       *ctx.options)
+    return (*grads, *[None] * len(ctx.options))
+
+
+recurrent_step_op.register_autograd(_step_grads, setup_context=_setup_step)

@@ -35,9 +35,12 @@ def norm_rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                             norm: nn.Module | None = None, backend: str = "auto") -> torch.Tensor:
     """x (B, N, H·D) → (B, N, H, D): `norm` over the last dim (an `nn.RMSNorm`, or None), then
     `rotate_interleaved` by cos/sin of shape (1 or B, N, 1, D). `backend="auto"` fuses both into one
-    pass on CUDA when no gradient is needed; training keeps the torch path."""
+    pass on CUDA when no gradient is needed; training keeps the torch path, and so does torch.compile, which
+    fuses it by itself."""
     if head_dim % 2 or x.shape[-1] % head_dim:
         raise ValueError(f"head_dim must be even and divide x's last dim ({x.shape[-1]}); got {head_dim}")
+    if backend == "auto" and torch.compiler.is_compiling():  # inductor fuses the torch ops into one pass itself
+        backend = "torch"
     impl = select("rotary", backend, norm_rotate_torch, x, cos, sin, head_dim=head_dim, norm=norm)
     return impl(x, cos, sin, head_dim=head_dim, norm=norm)
 

@@ -1,0 +1,367 @@
+"""MHLA under torch.compile: every family's converted tiny model traces whole (no graph break) and the
+compiled model computes what the eager one does; the operators' custom ops pass `torch.library.opcheck`
+(schema, fake tensors, autograd registration, AOT dispatch) and gradcheck. On CUDA: the same for the
+Triton path, and a whole converted forward captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import mhla_convert
+from mhla_convert.families import adapter_for_model, families
+from mhla_convert.layer import MHLAConfig, MHLAttention
+from mhla_convert.mixing import toeplitz_causal_mixing
+from mhla_convert.ops import BlockLayout, init_state, mhla_attention, mhla_attention_reference, mhla_recurrent_step
+from mhla_convert.ops.mhla import attention_op
+from mhla_convert.ops.recurrent import recurrent_step_op
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def _interpreted() -> bool:
+    """Whether the Triton kernels run under the interpreter here (see test_kernels.py)."""
+    try:
+        from mhla_convert.kernels import mhla_triton
+    except ImportError:
+        return False
+    return type(mhla_triton.K._readout_kernel).__name__ == "InterpretedFunction"
+
+
+TINY = [name for _, cls in sorted(families().items()) for name in cls().tiny_configs()]
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
+interp = pytest.mark.skipif(not _interpreted(), reason="Triton is absent, or compiled here (no TRITON_INTERPRET)")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _converted(tiny, name, device="cpu"):
+    """A converted tiny model with non-trivial mixing, and its inputs: a small uneven grid (diffusers) or 70
+    tokens (LMs: past the first chunk), batch 2."""
+    torch.manual_seed(0)
+    model = tiny(name, device=device)
+    mhla_convert.convert(model, ratio=0.67)
+    with torch.no_grad():
+        for _, layer in mhla_convert.mhla_layers(model):
+            layer.mixing.mul_(torch.rand_like(layer.mixing))
+    adapter = adapter_for_model(model)
+    native = adapter.native_grid(model)
+    grid = (70,) if native is None else tuple(min(g, 6) for g in native)
+    torch.manual_seed(0)
+    return model, adapter.example_inputs(model, grid, 2)
+
+
+def _main(out):
+    return out.sample if hasattr(out, "sample") else out.logits
+
+
+def _op_count(gm) -> int:
+    return sum(node.target in (torch.ops.mhla_convert.attention.default, torch.ops.mhla_convert.recurrent_step.default)
+               for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_converted_model_traces_without_graph_breaks(name, tiny):
+    model, inputs = _converted(tiny, name)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(**inputs)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+    # every converted layer is one custom-op node
+    assert sum(_op_count(g) for g in explained.graphs) == len(mhla_convert.mhla_layers(model))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_compiled_model_equals_eager(name, tiny):
+    """fullgraph=True fails on any graph break; aot_eager runs the traced graph (the custom ops included) as
+    traced, so this checks the tracing, not a code generator's rounding."""
+    model, inputs = _converted(tiny, name)
+    with torch.no_grad():
+        want = _main(model(**inputs))
+        got = _main(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["grid", "causal"])
+def test_compiled_layer_gradients_equal_eager(causal):
+    """Gradients through the registered backward equal eager autograd's, the mixing's included."""
+    torch.manual_seed(0)
+    config = MHLAConfig(causal=True, chunk_size=4, window=3) if causal else MHLAConfig(blocks=(2, 3))
+    layer = MHLAttention(24, 4, num_kv_heads=2, qk_norm="per_head", config=config)
+    with torch.no_grad():
+        layer.mixing.mul_(torch.rand_like(layer.mixing))
+    x, grid = torch.randn(2, 15, 24), (None if causal else (3, 5))
+    compiled = torch.compile(lambda x: layer(x, grid), fullgraph=True, backend="aot_eager")
+    grads = []
+    for run in (lambda x: layer(x, grid), compiled):
+        layer.zero_grad()
+        x.grad = None
+        run(x.requires_grad_()).square().mean().backward()
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in layer.parameters()])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-sana"])
+def test_compiled_training_step_equals_eager(name, tiny):
+    """A whole model's gradients through the registered backward (causal and non-causal) equal eager autograd."""
+    model, inputs = _converted(tiny, name)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    grads = []
+    for run in (model, compiled):
+        model.zero_grad()
+        _main(run(**inputs)).square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("mixing" in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_model_equals_eager(tiny):
+    model, inputs = _converted(tiny, "tiny-sana")
+    with torch.no_grad():
+        want = _main(model(**inputs))
+        got = _main(torch.compile(model, fullgraph=True)(**inputs))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["grid", "causal"])
+def test_dynamic_token_count_compiles_once(causal):
+    """With dynamic shapes one graph serves every sequence length / grid (the op's layout is symbolic)."""
+    torch.manual_seed(0)
+    config = MHLAConfig(causal=True, chunk_size=4, window=3) if causal else MHLAConfig(blocks=(2, 2))
+    layer = MHLAttention(24, 4, num_kv_heads=2, config=config)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, grid: layer(x, grid), fullgraph=True, backend=counter, dynamic=True)
+    frames = []
+    for n in (10, 13, 30):
+        grid = None if causal else (n // 2, 2)
+        x = torch.randn(2, n if causal else n // 2 * 2, 24)
+        torch.testing.assert_close(compiled(x, grid), layer(x, grid), rtol=1e-6, atol=1e-6)
+        frames.append(counter.frame_count)
+    assert frames[0] == frames[-1]  # no recompilation
+
+
+def test_compiled_layer_with_callable_feature_map_traces_inline():
+    """A callable φ cannot cross an op schema: it is traced inline, still without a graph break."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 12, 2, 8), torch.randn(2, 12, 2, 8), torch.randn(2, 12, 2, 8)
+    mixing = torch.rand(4, 4)
+
+    def fn(q, k, v, mixing):
+        return mhla_attention(q, k, v, mixing, grid=(3, 4), blocks=(2, 2), feature_map=torch.sigmoid)
+
+    explained = torch._dynamo.explain(fn)(q, k, v, mixing)
+    assert explained.graph_break_count == 0 and sum(_op_count(g) for g in explained.graphs) == 0
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, mixing),
+                               fn(q, k, v, mixing))
+
+
+def test_compiled_decode_steps_equal_eager():
+    """A causal layer's prefill and recurrent steps (through a chunk boundary) compiled as one function."""
+    torch.manual_seed(0)
+    layer = MHLAttention(32, 4, num_kv_heads=2, config=MHLAConfig(causal=True, chunk_size=3, window=3))
+    with torch.no_grad():
+        layer.mixing.copy_(torch.rand_like(layer.mixing))
+    q, k, v = layer.project(torch.randn(2, 10, 32))
+
+    def decode(q, k, v):
+        out, state = layer.decode(q[:, :5], k[:, :5], v[:, :5], None)
+        outs = [out]
+        for t in range(5, 10):
+            o, state = layer.decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], state)
+            outs.append(o)
+        return torch.cat(outs, 1), state.cur_s, state.recent_s, state.far_s
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(decode)(q, k, v)
+        assert explained.graph_break_count == 0 and sum(_op_count(g) for g in explained.graphs) == 6
+        want = decode(q, k, v)
+        got = torch.compile(decode, fullgraph=True, backend="aot_eager")(q, k, v)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want[0], layer.attend(q, k, v), rtol=1e-5, atol=1e-6)  # decode = parallel form
+
+
+# --- the custom ops ---------------------------------------------------------------------------------------------
+# (grid, blocks, chunk_size, causal, H, H_kv, D, Dv, per-head mixing, normalize, feature map)
+ATTENTION_CASES = {
+    "2d-uneven": ((5, 7), (2, 3), None, False, 2, 2, 8, 8, False, True, "relu"),
+    "3d-gqa-per-head-elu-unnorm": ((2, 3, 5), (2, 2, 3), None, False, 4, 2, 8, 6, True, False, "elu"),
+    "1d-one-kv-head": ((11,), (3,), None, False, 3, 1, 4, 5, False, True, "elu"),
+    "causal-chunks-gqa": ((13,), None, 4, True, 4, 2, 8, 8, False, True, "relu"),
+    "causal-blocks-per-head": ((10,), (3,), None, True, 2, 2, 6, 4, True, True, "elu"),
+}
+
+
+def _attention_args(case, batch=2, dtype=torch.float32, device="cpu", backend="torch"):
+    grid, blocks, chunk, causal, heads, kv_heads, dim, dv, per_head, normalize, fmap = case
+    n = torch.Size(grid).numel()
+    layout = BlockLayout.chunked(n, chunk) if chunk else BlockLayout.create(grid, blocks)
+    m = layout.num_blocks
+    q = torch.randn(batch, n, heads, dim, dtype=dtype, device=device)
+    k = torch.randn(batch, n, kv_heads, dim, dtype=dtype, device=device)
+    v = torch.randn(batch, n, kv_heads, dv, dtype=dtype, device=device)
+    mixing = torch.rand(*((heads,) if per_head else ()), m, m, dtype=dtype, device=device) + 0.1
+    tensors = [t.requires_grad_() for t in (q, k, v, mixing)]
+    options = [list(layout.grid), list(layout.blocks), list(layout.block_size), causal, fmap, normalize, dim ** -0.5,
+               1e-6, backend]
+    return tensors, options
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_op_opcheck(name):
+    torch.manual_seed(0)
+    tensors, options = _attention_args(ATTENTION_CASES[name])
+    torch.library.opcheck(attention_op, (*tensors, *options))
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_attention_op_matches_reference_and_gradcheck(name):
+    """The op and its backward against the O(N²) reference; float64 gradcheck of the backward op."""
+    case = ATTENTION_CASES[name]
+    grid, blocks, chunk, causal, *_, normalize, fmap = case
+    torch.manual_seed(0)
+    tensors, options = _attention_args(case, dtype=torch.float64)
+    out = attention_op(*tensors, *options)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, tensors, grad)
+    want_out = mhla_attention_reference(*tensors, grid=grid, blocks=blocks, chunk_size=chunk, causal=causal,
+                                        feature_map=fmap, normalize=normalize)
+    want = torch.autograd.grad(want_out, tensors, grad)
+    torch.testing.assert_close(out, want_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    small, options = _attention_args(case, batch=1, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *t: attention_op(*t, *options), small, fast_mode=True)
+
+
+def test_attention_op_frozen_mixing():
+    """Inputs that need no gradient get none (and the others are unchanged)."""
+    torch.manual_seed(0)
+    tensors, options = _attention_args(ATTENTION_CASES["causal-chunks-gqa"])
+    tensors[3].requires_grad_(False)
+    out = attention_op(*tensors, *options)
+    out.sum().backward()
+    assert tensors[3].grad is None and all(t.grad is not None for t in tensors[:3])
+    torch.library.opcheck(attention_op, (*tensors, *options))
+
+
+@interp
+@pytest.mark.parametrize("name", ["2d-uneven", "causal-chunks-gqa"])
+def test_attention_op_triton_interpreted(name):
+    """The Triton path inside the op (the kernels under the interpreter): opcheck, and gradients through the
+    backend's registered backward against the torch path's."""
+    torch.manual_seed(0)
+    tensors, options = _attention_args(ATTENTION_CASES[name], backend="triton")
+    torch.library.opcheck(attention_op, (*tensors, *options), test_utils=("test_schema", "test_autograd_registration",
+                                                                         "test_faketensor"))
+    out = attention_op(*tensors, *options)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, tensors, grad)
+    want_out = attention_op(*tensors, *options[:-1], "torch")
+    want = torch.autograd.grad(want_out, tensors, grad)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+# (prefix length, chunk size, window, H, H_kv, D, Dv, per-head relative, normalize, feature map)
+STEP_CASES = {
+    "fresh-gqa": (0, 4, 3, 4, 2, 8, 6, False, True, "relu"),
+    "recent-and-far": (13, 3, 4, 2, 2, 5, 7, True, True, "elu"),
+    "window-1-unnorm": (6, 4, 1, 3, 1, 4, 4, False, False, "relu"),
+}
+
+
+def _step_args(case, batch=2, dtype=torch.float32, device="cpu", backend="torch"):
+    length, chunk, window, heads, kv_heads, dim, dv, per_head, normalize, fmap = case
+    k0 = torch.randn(batch, length, kv_heads, dim, dtype=dtype, device=device)
+    v0 = torch.randn(batch, length, kv_heads, dv, dtype=dtype, device=device)
+    state = init_state(k0, v0, chunk_size=chunk, window=window, feature_map=fmap)
+    state = state.map(lambda t: t.to(dtype))
+    q = torch.randn(batch, 1, heads, dim, dtype=dtype, device=device)
+    k = torch.randn(batch, 1, kv_heads, dim, dtype=dtype, device=device)
+    v = torch.randn(batch, 1, kv_heads, dv, dtype=dtype, device=device)
+    relative = torch.rand(*((heads,) if per_head else ()), window, dtype=dtype, device=device) + 0.1
+    tensors = [state.cur_s, state.cur_z, state.recent_s, state.recent_z, state.far_s, state.far_z, q, k, v, relative]
+    return state, [t.requires_grad_() for t in tensors], [fmap, normalize, dim ** -0.5, 1e-6, backend]
+
+
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_recurrent_step_op_opcheck(name):
+    torch.manual_seed(0)
+    _, tensors, options = _step_args(STEP_CASES[name])
+    torch.library.opcheck(recurrent_step_op, (*tensors, *options))
+
+
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_recurrent_step_op_matches_step_and_gradcheck(name):
+    case = STEP_CASES[name]
+    torch.manual_seed(0)
+    state, tensors, options = _step_args(case, dtype=torch.float64)
+    fmap, normalize = options[:2]
+    out = recurrent_step_op(*tensors, *options)
+    want, new_state = mhla_recurrent_step(state, *tensors[6:], feature_map=fmap, normalize=normalize, backend="torch")
+    torch.testing.assert_close(out[0], want)
+    if new_state.position % case[1]:  # (else the step closed the chunk: the op's summary is the closed one)
+        torch.testing.assert_close(out[1], new_state.cur_s)
+    _, small, options = _step_args(case, batch=1, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *t: recurrent_step_op(*t, *options), small, fast_mode=True)
+
+
+def test_toeplitz_mixing_of_a_compiled_layer_is_traced():
+    """The causal layer builds its mixing from `relative` inside the trace: gradients reach it."""
+    torch.manual_seed(0)
+    relative = torch.rand(4, requires_grad=True)
+    compiled = torch.compile(lambda r: toeplitz_causal_mixing(r, 6).sum(), fullgraph=True, backend="aot_eager")
+    compiled(relative).backward()
+    assert relative.grad is not None and relative.grad.abs().sum() > 0
+
+
+# --- CUDA: the Triton path inside the ops, CUDA graphs --------------------------------------------------------------
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_cuda_attention_op_opcheck_triton(name, dtype):
+    torch.manual_seed(0)
+    tensors, options = _attention_args(ATTENTION_CASES[name], dtype=dtype, device="cuda", backend="triton")
+    torch.library.opcheck(attention_op, (*tensors, *options))
+    tensors[3].requires_grad_(False)
+    torch.library.opcheck(attention_op, (*tensors, *options))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_cuda_recurrent_step_op_opcheck_triton(name):
+    torch.manual_seed(0)
+    _, tensors, options = _step_args(STEP_CASES[name], device="cuda", backend="triton")
+    torch.library.opcheck(recurrent_step_op, (*tensors, *options))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-sana", "tiny-wan"])
+def test_cuda_graph_of_converted_forward_equals_eager(name, tiny):
+    """mode="reduce-overhead" replays the whole compiled forward (Triton kernels included) as CUDA graphs."""
+    model, inputs = _converted(tiny, name, device="cuda")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        want = _main(model(**inputs)).clone()
+        for _ in range(3):  # warm-up, record, replay
+            got = _main(compiled(**inputs)).clone()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
