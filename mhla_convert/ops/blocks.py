@@ -29,7 +29,10 @@ def whole_number(value) -> int | None:
 
 
 def as_axes(name: str, value) -> tuple[int, ...]:
-    """`value` (an int or a sequence of 1 to 3 ints, each ≥ 1) as a tuple of ints; anything else is refused."""
+    """`value` (an int or a sequence of 1 to 3 ints, each ≥ 1) as a tuple of ints; anything else is refused.
+    While tracing, sizes may be symbolic and are taken as given (checking them would pin them to one value)."""
+    if torch.compiler.is_compiling():
+        return tuple(value) if isinstance(value, (tuple, list)) else (value,)
     if whole_number(value) is not None:
         value = (value,)
     iterable = hasattr(value, "__iter__") and not isinstance(value, (str, bytes))

@@ -129,7 +129,8 @@ def mhla_attention(
     Returns (B, N, H, D_v) in q's dtype; accumulation is float32 for half-precision inputs.
     """
     layout = check_inputs(q, k, v, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
-    check_options(feature_map=feature_map, normalize=normalize, scale=scale, eps=eps, backend=backend)
+    if not torch.compiler.is_compiling():  # traced calls come from layers whose MHLAConfig checked these
+        check_options(feature_map=feature_map, normalize=normalize, scale=scale, eps=eps, backend=backend)
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if key_mask is not None and (key_mask.shape != q.shape[:2] or key_mask.dtype != torch.bool):
