@@ -36,6 +36,7 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TINY = {
     "wan2.1": "tiny-wan",
     "sana-1600m": "tiny-sana",
+    "sana-600m": "tiny-sana",
     "qwen3-0.6b": "tiny-qwen3",
     "meta-llama/Llama-3.2-1B": "hub/Llama-3.2-1B",
 }
