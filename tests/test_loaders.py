@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from mhla_convert import convert, from_pretrained, save_pretrained
+from mhla_convert import convert, from_pretrained, mhla_layers, save_pretrained
 from mhla_convert.families import adapter_for_model
 from mhla_convert.io import mhla_metadata
 from mhla_convert.locations import MHLA_CONFIG
@@ -151,6 +151,20 @@ def test_trust_remote_code_loads_a_converted_lm_in_a_process_that_did_not_import
         print(type(model).__name__, "mhla_convert" in sys.modules, same)
     """, tmp_path, block_mhla=False)
     assert result.stdout.split() == ["MHLAQwen3ForCausalLM", "True", "True"], result.stdout + result.stderr
+
+
+def test_importing_mhla_convert_is_all_diffusers_needs_in_a_fresh_process(tiny, tmp_path):
+    """Diffusers loads a component library only once it is imported: `import mhla_convert` must do it."""
+    dit = tiny("tiny-dit")
+    convert(dit, ratio=0.5)
+    pipeline("dit", dit, "tiny-dit").save_pretrained(tmp_path / "pipe")
+    result = _run_python(f"""
+        import mhla_convert, diffusers
+        pipe = diffusers.DiffusionPipeline.from_pretrained({str(tmp_path / "pipe")!r})
+        print(type(pipe.transformer).__name__, len(mhla_convert.mhla_layers(pipe.transformer)))
+    """, tmp_path, block_mhla=False)
+    expected = [type(dit).__name__, str(len(mhla_layers(dit)))]
+    assert result.stdout.split() == expected, result.stdout + result.stderr
 
 
 def _images(adapter, pipe, name):
