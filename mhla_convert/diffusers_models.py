@@ -19,11 +19,17 @@ from typing import Any
 
 import diffusers
 from diffusers import ModelMixin  # noqa: F401  diffusers looks a component library's base classes up in it
+from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 
 from .families import adapter_for_config, families
 from .families.base import CONVERTED_PREFIX
 
 SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")  # device maps over several devices
+
+# Diffusers downloads a hub pipeline's component only from a library it lists as loadable (or with a
+# `<component>/<library>.py` file, which would need trust_remote_code): list this module, whose classes
+# load and save as diffusers models do, so `DiffusionPipeline.from_pretrained("owner/name")` fetches it.
+LOADABLE_CLASSES.setdefault(__name__, {"ModelMixin": ["save_pretrained", "from_pretrained"]})
 
 
 def _device(device_map):

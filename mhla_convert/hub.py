@@ -9,7 +9,7 @@ from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 
 from .families import adapter_for_family
 from .io import read_mhla_config
-from .locations import HUB_ERRORS, HUB_ID, one_line
+from .locations import HUB_ERRORS, HUB_ID, checkpoint_dir, one_line
 
 CARD_FILE = "README.md"
 EVAL_FILE = "eval.json"  # an evaluation (`mhla-convert eval`) kept beside the checkpoint: its table goes in the card
@@ -31,14 +31,10 @@ pip install mhla-convert
 ```
 
 ```python
-import mhla_convert
-
-model = mhla_convert.from_pretrained("{repo_id}")
+{load}
 ```
 
-The base library's own `from_pretrained` would rebuild the original attention and drop the MHLA
-weights, so load through `mhla_convert`; or sample from the command line:
-`mhla-convert sample {repo_id} --out {sample_file}`.
+{load_note} Or sample from the command line: `mhla-convert sample {repo_id} --out {sample_file}`.
 
 ## Conversion
 
@@ -83,6 +79,23 @@ def _is_hub_id(base: str | None) -> bool:
     return bool(base) and "/" in base and not Path(base).expanduser().exists() and bool(HUB_ID.match(base))
 
 
+def _load_snippet(directory: Path, repo_id: str, meta: dict) -> tuple[str, str]:
+    """(code, note): how this checkpoint loads through its library's own loaders."""
+    if meta["library"] == "transformers":
+        return (f'from transformers import AutoModelForCausalLM\n\n'
+                f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)',
+                "`trust_remote_code=True` runs the repo's `mhla_loader.py`, which imports mhla-convert "
+                "(after `import mhla_convert` it is not needed).")
+    if (directory / "model_index.json").is_file():
+        return (f'import mhla_convert  # lets diffusers load the converted transformer\n'
+                f'from diffusers import DiffusionPipeline\n\npipe = DiffusionPipeline.from_pretrained("{repo_id}")',
+                "The pipeline's own class loads it too.")
+    converted = f"MHLA{meta['model_class']}"
+    return (f'import mhla_convert\n\ntransformer = mhla_convert.from_pretrained("{repo_id}")',
+            f"`mhla_convert.diffusers_models.{converted}.from_pretrained` loads it as well; "
+            f"the base class's own loader refuses this checkpoint.")
+
+
 def _eval_section(directory: Path) -> str:
     path = directory / EVAL_FILE
     if not path.is_file():
@@ -106,7 +119,7 @@ def model_card(directory, repo_id: str) -> ModelCard:
     meta = read_mhla_config(directory)
     base = meta.get("base_model")
     adapter = adapter_for_family(meta["family"])
-    config = json.loads((directory / "config.json").read_text())
+    config = json.loads((checkpoint_dir(directory) / "config.json").read_text())
     base_card = _base_card_data(base, meta.get("base_model_revision"), meta.get("base_model_subfolder"))
     on_hub = _is_hub_id(base)
     data = ModelCardData(
@@ -122,8 +135,10 @@ def model_card(directory, repo_id: str) -> ModelCard:
     if plan.get("strategy"):
         options["layers chosen by"] = plan["strategy"]
     options.update(mhla)
+    load, load_note = _load_snippet(directory, repo_id, meta)
     return ModelCard(CARD_TEMPLATE.format(
         card_data=data.to_yaml(), title=repo_id, repo_id=repo_id, version=meta["mhla_convert_version"],
+        load=load, load_note=load_note,
         base_line=f"[{base}](https://huggingface.co/{base})" if on_hub else f"`{shown}`",
         converted=len(plan["layers"]), num_layers=plan["num_layers"],
         options="\n".join(f"| {k} | `{v}` |" for k, v in options.items()),

@@ -13,15 +13,22 @@ throwaway init), redo the saved conversion plan, then load the state dict strict
                          `adapter.build` after `adapter.base_config`), its converted class name
                          (`_class_name`; LMs: `architectures`, `model_type` mhla_<base> and `auto_map`)
                          and the conversion record under "mhla" (= mhla_config.json)
-    model*.safetensors   the weights, sharded above `max_shard_size` (+ model.safetensors.index.json);
-                         diffusers' stock loader reads other names, so a base class's own
-                         `from_pretrained` fails on a converted folder rather than dropping MHLA
+    model*.safetensors   diffusers transformers: the weights, sharded above `max_shard_size` (+
+                         model.safetensors.index.json). Diffusers' stock loader reads other names, so
+                         a base class's own `from_pretrained` fails on a converted folder rather than
+                         dropping MHLA.
+    mhla_model*.safetensors + mhla_model.safetensors.index.json (always written)
+                         LMs: the weights under a name transformers' stock classes do not read
+                         (`LlamaForCausalLM.from_pretrained` fails rather than loading softmax layers
+                         with random weights); the converted config class names the index as its
+                         `transformers_weights`, so the Auto classes read it
     mhla_loader.py       LMs: the module `auto_map` names, which imports mhla_convert
     mhla_config.json     family, base model, the plan (layers, attention kind, how the layers were
                          chosen and, for strategy "auto", every layer's sensitivity), every MHLA
                          option, package version
 
-Format 1 (before converted classes) had the base model's config in config.json; it still loads here.
+Format 1 (before converted classes) had the base model's config in config.json; format 2 had LM
+weights as model*.safetensors. Both still load, here and (format 2) through the Auto classes.
 Writes are atomic: everything goes to a hidden sibling `.NAME.tmp-*`, `mhla_config.json` last, and
 only a complete directory is renamed into place; a checkpoint it replaces is first renamed aside to
 `.NAME.old-*` and removed after. A failed save removes its staging folder. What a killed process
@@ -64,10 +71,11 @@ from .placement import check_device, parse_dtype, place_model
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-WEIGHTS_PATTERN = "model{suffix}.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+# Weight file names by library: names the library's stock loader does not read (see the module doc).
+WEIGHTS_PREFIX = {"diffusers": "model", "transformers": "mhla_model"}
+LEGACY_PREFIX = "model"  # every family's weights before format 3
 REQUIRED_KEYS = {"family": str, "plan": dict, "mhla": dict}  # in mhla_config.json, beside format_version
 
 
@@ -138,13 +146,53 @@ def write_mhla_files(directory: Path, meta: dict[str, Any]) -> None:
     (directory / MHLA_CONFIG).write_text(json.dumps(meta, indent=2))
 
 
+def weights_index(prefix: str) -> str:
+    return f"{prefix}.safetensors.index.json"
+
+
+def index_single_file(directory: Path, prefix: str) -> None:
+    """Write `prefix`.safetensors.index.json for an unsharded `prefix`.safetensors, so one fixed file name
+    (the index) finds the weights sharded or not."""
+    index = directory / weights_index(prefix)
+    if index.is_file():
+        return
+    name = f"{prefix}.safetensors"
+    with safe_open(directory / name, framework="pt") as f:
+        keys, metadata = list(f.keys()), f.metadata() or {}
+    index.write_text(json.dumps({"metadata": metadata, "weight_map": dict.fromkeys(sorted(keys), name)}, indent=2))
+
+
+def rename_weights(directory: Path) -> None:
+    """Give the weights transformers' `save_pretrained` wrote (model.safetensors or model-*-of-*.safetensors
+    + index) the names of a converted LM's checkpoint, replacing those of an earlier save there."""
+    prefix = WEIGHTS_PREFIX["transformers"]
+    saved = sorted(directory.glob(f"{LEGACY_PREFIX}*.safetensors"))
+    if not saved:
+        return
+    for old in directory.glob(f"{prefix}*.safetensors*"):
+        old.unlink()
+    names = {p.name: prefix + p.name[len(LEGACY_PREFIX):] for p in saved}
+    legacy_index = directory / weights_index(LEGACY_PREFIX)
+    if legacy_index.is_file():
+        data = read_json(legacy_index)
+        data["weight_map"] = {key: names[file] for key, file in data["weight_map"].items()}
+        (directory / weights_index(prefix)).write_text(json.dumps(data, indent=2))
+        legacy_index.unlink()
+    for old, new in names.items():
+        (directory / old).rename(directory / new)
+    index_single_file(directory, prefix)
+
+
 def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size, extra) -> None:
     adapter = adapter_for_family(meta["family"])
     config = {**adapter.model_config(model), "mhla": meta}
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    prefix = WEIGHTS_PREFIX[adapter.library]
     save_torch_state_dict(
-        model.state_dict(), directory, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size
+        model.state_dict(), directory, filename_pattern=prefix + "{suffix}.safetensors", max_shard_size=max_shard_size
     )
+    if prefix != LEGACY_PREFIX:
+        index_single_file(directory, prefix)
     if extra is not None:
         extra(directory)
     write_mhla_files(directory, meta)
@@ -235,13 +283,19 @@ def swap_into_place(staging: Path, target: Path) -> None:
 
 
 def read_mhla_config(directory) -> dict[str, Any]:
+    """The conversion record: mhla_config.json, or the copy in config.json where only that came along
+    (diffusers downloads a pipeline component's weights and config.json alone)."""
     path = checkpoint_dir(directory) / MHLA_CONFIG
-    if not path.is_file():
+    config = path.with_name("config.json")
+    if not path.is_file() and config.is_file() and isinstance(read_json(config).get("mhla"), dict):
+        path, meta = config, read_json(config)["mhla"]
+    elif not path.is_file():
         raise ValueError(
             f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
             f"(a base model? convert it first: `mhla-convert {directory}`)"
         )
-    meta = read_json(path)
+    else:
+        meta = read_json(path)
     if meta.get("format_version") not in READABLE_FORMATS:
         raise ValueError(
             f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads "
@@ -261,22 +315,26 @@ def read_mhla_config(directory) -> dict[str, Any]:
     return meta
 
 
-def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (sharded) safetensors checkpoint, with the tied duplicates that saving
-    dropped restored from the metadata (`save_torch_state_dict` records them as name -> kept).
+def load_state_dict(directory: Path, library: str) -> dict[str, torch.Tensor]:
+    """All tensors of a (sharded) safetensors checkpoint of a `library` model (its weight names, or
+    those of format 2), with the tied duplicates that saving dropped restored from the metadata
+    (`save_torch_state_dict` records them as name -> kept).
 
     Each tensor is copied into its own allocation as it is read (peak memory: one tensor over the
     state dict). safetensors hands out views into the file buffer at offsets that are not 64-byte
     aligned, and CPU matmuls on such storage take other code paths: the reloaded model's outputs
     would differ in the last bits from the model that was saved."""
-    index = directory / WEIGHTS_INDEX
+    prefix = next((p for p in (WEIGHTS_PREFIX[library], LEGACY_PREFIX)
+                   if any((directory / name).is_file() for name in (f"{p}.safetensors", weights_index(p)))),
+                  WEIGHTS_PREFIX[library])
+    index = directory / weights_index(prefix)
     if index.is_file():
         data = read_json(index)
         if not isinstance(data.get("weight_map"), dict):
             raise ValueError(f"{index} has no weight_map: the file is damaged; save or download the checkpoint again")
-        files, metadata = sorted(set(data["weight_map"].values())), data.get("metadata", {})
+        files, metadata = sorted(set(data["weight_map"].values())), data.get("metadata") or {}
     else:
-        files, metadata = [WEIGHTS_PATTERN.format(suffix="")], None
+        files, metadata = [f"{prefix}.safetensors"], None
     state: dict[str, torch.Tensor] = {}
     for name in files:
         try:
@@ -356,8 +414,8 @@ def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, torch_dtype=
         except ValueError as error:  # a family, plan or option the file should not hold
             raise ValueError(f"{directory / MHLA_CONFIG}: {one_line(error)}") from None
     try:
-        model.load_state_dict(_with_tied(model, host_named_keys(model, load_state_dict(directory))), strict=True,
-                              assign=True)
+        state = host_named_keys(model, load_state_dict(directory, adapter.library))
+        model.load_state_dict(_with_tied(model, state), strict=True, assign=True)
     except RuntimeError as error:  # missing or unexpected keys, wrong shapes
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):

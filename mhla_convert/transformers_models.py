@@ -77,18 +77,31 @@ class ConvertedCausalLM:
         if push_to_hub:
             raise ValueError("push a converted model with mhla_convert.push_to_hub (or `mhla-convert push`), "
                              "which uploads its MHLA files and model card")
-        from .io import mhla_metadata, write_mhla_files
+        from .io import mhla_metadata, rename_weights, write_mhla_files
 
+        if kwargs.get("variant"):
+            raise ValueError("a converted LM saves without weight variants; drop variant= (or save with "
+                             "mhla_convert.save_pretrained)")
         meta = mhla_metadata(self)
         self.config.mhla = meta
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
+            rename_weights(Path(save_directory))
             write_mhla_files(Path(save_directory), meta)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
         """Kept out of transformers' remote-code bookkeeping, which would copy this package's source
         into every save: a saved converted model carries `mhla_loader.py` instead."""
+
+
+def _weights_file(config) -> str | None:
+    """The weights file transformers' loader reads for this config (its `transformers_weights`): the index of
+    the name only converted classes read, or for a checkpoint saved before that name, transformers' own."""
+    from .io import WEIGHTS_PREFIX, weights_index
+
+    record = getattr(config, "mhla", None) or {}
+    return weights_index(WEIGHTS_PREFIX["transformers"]) if record.get("format_version", 0) >= 3 else None
 
 
 def _converted(base_model: type) -> tuple[type, type]:
@@ -98,6 +111,7 @@ def _converted(base_model: type) -> tuple[type, type]:
         "__module__": __name__, "__qualname__": config_name,
         "model_type": MODEL_TYPE_PREFIX + base_config.model_type,
         "register_for_auto_class": classmethod(lambda cls, auto_class="AutoConfig": None),
+        "transformers_weights": property(_weights_file),
     })
     model = type(model_name, (ConvertedCausalLM, base_model), {
         "__module__": __name__, "__qualname__": model_name, "config_class": config,

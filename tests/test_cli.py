@@ -220,8 +220,9 @@ def test_convert_skips_what_the_source_lacks(tiny, tmp_path):
     result = invoke("tiny-llama", "--out", tmp_path / "tiny")
     assert result.exit_code == 0, result.output
     assert "with the base model's" not in result.output
-    assert {p.name for p in (tmp_path / "tiny").iterdir()} == {"config.json", "model.safetensors", "mhla_config.json",
-                                                        "mhla_loader.py"}
+    assert {p.name for p in (tmp_path / "tiny").iterdir()} == {
+        "config.json", "mhla_model.safetensors", "mhla_model.safetensors.index.json", "mhla_config.json",
+        "mhla_loader.py"}
 
 
 @pytest.mark.parametrize("name", ["tiny-dit", "tiny-wan", "tiny-llama"])
@@ -237,7 +238,8 @@ def test_convert_keeps_the_source_dtype_unless_told(tiny, tmp_path, name):
         out = tmp_path / f"out-{dtype}"
         result = invoke(tmp_path / "bf16", "--ratio", 0.5, "--out", out, *args)
         assert result.exit_code == 0, result.output
-        saved = {k: t.dtype for k, t in load_file(out / "model.safetensors").items() if k in source.state_dict()}
+        weights = out / ("mhla_model.safetensors" if name == "tiny-llama" else "model.safetensors")
+        saved = {k: t.dtype for k, t in load_file(weights).items() if k in source.state_dict()}
         expected = {k: torch.float32 if keep & set(k.split(".")) else dtype for k in saved}
         assert saved == expected
         if keep and dtype == torch.bfloat16:

@@ -61,6 +61,17 @@ def test_card_of_a_hub_base_links_it_and_reads_its_cached_card(tiny, tmp_path, m
     assert meta["base_model"] == "org/base" and meta["license"] == "apache-2.0"
     assert meta["pipeline_tag"] == "text-generation" and "mhla" in meta["tags"]
     assert "[org/base](https://huggingface.co/org/base)" in str(card)
+    assert 'AutoModelForCausalLM.from_pretrained("me/llama-mhla", trust_remote_code=True)' in str(card)
+
+
+def test_card_of_a_pipeline_loads_it_with_diffusers(tiny, tmp_path):
+    model = tiny("tiny-dit")
+    mhla_convert.convert(model, ratio=0.5, progress=False)
+    from mhla_convert.train.components import pipeline
+
+    pipeline("dit", model, "tiny-dit").save_pretrained(tmp_path / "pipe")
+    text = str(model_card(tmp_path / "pipe", "me/dit-mhla"))
+    assert "import mhla_convert" in text and 'DiffusionPipeline.from_pretrained("me/dit-mhla")' in text
 
 
 @pytest.mark.parametrize("name, tag", [("tiny-dit", "unconditional-image-generation"), ("tiny-sana", "text-to-image"),

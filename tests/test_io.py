@@ -159,3 +159,20 @@ def test_push_to_hub_creates_repo_and_uploads_checkpoint_and_card_in_one_commit(
     assert "base_model: Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in card and "library_name: mhla-convert" in card
     assert 'mhla_convert.from_pretrained("me/wan-mhla")' in card and "| converted layers | `1, 2, 4, 5` |" in card
     assert (path / "README.md").read_text() == "an older card"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(tiny_models()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reload_on_the_gpu_is_bitwise_identical(tiny, run_model, tmp_path, name, dtype):
+    """Saved on the GPU, reloaded straight onto it (and through the library's own loader): same outputs, bit
+    for bit, with the Triton kernels where they apply."""
+    model = tiny(name, torch_dtype=dtype).cuda()
+    convert(model, ratio=0.5)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    torch.manual_seed(0)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v
+              for k, v in adapter_for_model(model).example_inputs(model, GRIDS.get(name, (16,)), 2).items()}
+    expected = run_model(model, inputs)
+    assert torch.equal(run_model(from_pretrained(path, device="cuda"), inputs), expected)
+    assert torch.equal(run_model(type(model).from_pretrained(path).cuda(), inputs), expected)

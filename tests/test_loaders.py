@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from mhla_convert import convert, from_pretrained, mhla_layers, save_pretrained
 from mhla_convert.families import adapter_for_model
-from mhla_convert.io import mhla_metadata
+from mhla_convert.io import FORMAT_VERSION, mhla_metadata
 from mhla_convert.locations import MHLA_CONFIG
 from mhla_convert.train.components import pipeline
 
@@ -57,6 +58,43 @@ def test_auto_model_reloads_a_converted_lm_and_its_own_save(tiny, tmp_path, name
     assert torch.equal(_logits(from_pretrained(tmp_path / "resaved"), ids), expected)
 
 
+def test_transformers_sharded_save_replaces_an_earlier_save_and_reloads(tiny, tmp_path):
+    model, ids = _lm(tiny)
+    expected = _logits(model, ids)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert len(shards) > 1 and all(name.startswith("mhla_model-") for name in shards)
+    model.save_pretrained(tmp_path / "ckpt")  # one file now: the shards go
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors*")) == [
+        "mhla_model.safetensors", "mhla_model.safetensors.index.json"]
+    for load in (AutoModelForCausalLM.from_pretrained, from_pretrained):
+        assert torch.equal(_logits(load(tmp_path / "ckpt"), ids), expected)
+
+
+def test_the_base_class_refuses_a_converted_lm(tiny, tmp_path):
+    """transformers' stock class finds no weights of its own rather than loading softmax layers at random."""
+    model, _ = _lm(tiny)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    base = type(tiny("tiny-llama"))
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        base.from_pretrained(path)
+
+
+def test_lm_checkpoints_of_format_2_keep_loading(tiny, tmp_path):
+    """Format 2 saved LM weights as transformers' own model.safetensors."""
+    model, ids = _lm(tiny)
+    expected = _logits(model, ids)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    (path / "mhla_model.safetensors").rename(path / "model.safetensors")
+    (path / "mhla_model.safetensors.index.json").unlink()
+    for name in ("config.json", MHLA_CONFIG):
+        data = json.loads((path / name).read_text())
+        (data["mhla"] if name == "config.json" else data)["format_version"] = 2
+        (path / name).write_text(json.dumps(data))
+    for load in (AutoModelForCausalLM.from_pretrained, from_pretrained):
+        assert torch.equal(_logits(load(path), ids), expected)
+
+
 def test_transformers_save_of_tied_embeddings_reloads_through_mhla_convert(tmp_path):
     """transformers stores a tied lm_head only as the embedding; the strict loader restores the tie."""
     from mhla_convert.families import adapter_for_family
@@ -75,9 +113,10 @@ def test_transformers_save_of_tied_embeddings_reloads_through_mhla_convert(tmp_p
 def test_auto_model_refuses_weights_that_do_not_match_the_plan(tiny, tmp_path):
     model, _ = _lm(tiny)
     path = save_pretrained(model, tmp_path / "ckpt")
-    weights = load_file(path / "model.safetensors")
+    weights = load_file(path / "mhla_model.safetensors")
     dropped = next(k for k in weights if k.endswith("mixing"))
-    save_file({k: v for k, v in weights.items() if k != dropped}, path / "model.safetensors", metadata={"format": "pt"})
+    save_file({k: v for k, v in weights.items() if k != dropped}, path / "mhla_model.safetensors",
+              metadata={"format": "pt"})
     with pytest.raises(ValueError, match="does not match its MHLA plan.*mixing"):
         AutoModelForCausalLM.from_pretrained(path)
 
@@ -233,7 +272,7 @@ def test_checkpoints_of_format_1_keep_loading(tiny, run_model, tmp_path, name):
     assert type(reloaded) is type(model)
     assert torch.equal(run_model(reloaded, inputs), run_model(model, inputs))
     save_pretrained(reloaded, tmp_path / "new")  # re-saving writes the current format
-    assert json.loads((tmp_path / "new" / MHLA_CONFIG).read_text())["format_version"] == 2
+    assert json.loads((tmp_path / "new" / MHLA_CONFIG).read_text())["format_version"] == FORMAT_VERSION
 
 
 def test_cli_writes_a_pipeline_from_a_pipeline_directory(tiny, tmp_path):
@@ -273,3 +312,60 @@ def test_cli_pipeline_needs_a_pipeline_source(tiny, tmp_path):
         result = CliRunner().invoke(app, [source, "--pipeline", "--out", str(tmp_path / "out")])
         assert result.exit_code == 2 and "--pipeline" in result.output, result.output
     assert not (tmp_path / "out").exists()
+
+
+def _serve_as_hub_repo(monkeypatch, repo: Path, cache: Path) -> None:
+    """diffusers' hub download, served from the local folder `repo` (file listing, model_index.json, then
+    `snapshot_download` with diffusers' own allow and ignore patterns) into `cache`."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines import pipeline_utils
+    from huggingface_hub.utils import filter_repo_objects
+
+    files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+
+    def fetch(names):
+        for name in names:
+            (cache / name).parent.mkdir(parents=True, exist_ok=True)
+            (cache / name).write_bytes((repo / name).read_bytes())
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        fetch([filename])
+        return str(cache / filename)
+
+    def snapshot_download(repo_id, *, allow_patterns=None, ignore_patterns=None, **kwargs):
+        fetch(filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        return str(cache)
+
+    monkeypatch.setattr(pipeline_utils, "_resolve_revision", lambda *args, **kwargs: "main")
+    monkeypatch.setattr(pipeline_utils, "model_info", lambda *args, **kwargs: SimpleNamespace(
+        siblings=[SimpleNamespace(rfilename=name) for name in files]))
+    monkeypatch.setattr(pipeline_utils, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(pipeline_utils, "snapshot_download", snapshot_download)
+
+
+def test_a_pipeline_on_the_hub_loads_by_repo_id(tiny, tmp_path, monkeypatch):
+    """What diffusers downloads of a pushed pipeline (its allow patterns) is enough to load it converted."""
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    pipe = pipeline("dit", model, "tiny-dit")
+    pipe.save_pretrained(tmp_path / "repo")
+    _serve_as_hub_repo(monkeypatch, tmp_path / "repo", tmp_path / "cache")
+    torch.manual_seed(0)
+    inputs = adapter_for_model(model).example_inputs(model, GRIDS["tiny-dit"], 2)
+    for loader in (diffusers.DiffusionPipeline, diffusers.DiTPipeline):
+        loaded = loader.from_pretrained("me/dit-mhla").transformer
+        assert type(loaded) is type(model)
+        assert torch.equal(_sample(loaded, inputs), _sample(model, inputs))
+
+
+def test_an_lm_on_the_hub_loads_by_repo_id(tiny, tmp_path):
+    """transformers' hub path (a repo in the hub cache, offline) finds the converted weights by their index."""
+    model, ids = _lm(tiny)
+    model.save_pretrained(tmp_path / "saved", max_shard_size="100KB")
+    snapshot = tmp_path / "cache" / "models--me--lm-mhla" / "snapshots" / ("0" * 40)
+    shutil.copytree(tmp_path / "saved", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    loaded = AutoModelForCausalLM.from_pretrained("me/lm-mhla", cache_dir=tmp_path / "cache", local_files_only=True)
+    assert torch.equal(_logits(loaded, ids), _logits(model, ids))
