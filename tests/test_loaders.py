@@ -160,6 +160,7 @@ def test_without_mhla_convert_the_stock_loaders_fail_loudly(tiny, tmp_path):
         errors = {{
             "untrusted": error(lambda: auto({str(lm)!r})),
             "trusted": error(lambda: auto({str(lm)!r}, trust_remote_code=True)),
+            "lm base class": error(lambda: transformers.LlamaForCausalLM.from_pretrained({str(lm)!r})),
             "pipeline": error(lambda: diffusers.DiffusionPipeline.from_pretrained({str(pipe)!r})),
             "family pipeline": error(lambda: diffusers.DiTPipeline.from_pretrained({str(pipe)!r})),
             "base class": error(lambda: diffusers.DiTTransformer2DModel.from_pretrained({str(pipe)!r},
@@ -174,6 +175,7 @@ def test_without_mhla_convert_the_stock_loaders_fail_loudly(tiny, tmp_path):
     for key in ("pipeline", "family pipeline"):
         assert "import mhla_convert.diffusers_models" in lines[key], lines[key]
     assert "no file named diffusion_pytorch_model" in lines["base class"]  # rather than softmax attention
+    assert "no file named model.safetensors" in lines["lm base class"]  # rather than random q/k/v/o
 
 
 def test_trust_remote_code_loads_a_converted_lm_in_a_process_that_did_not_import_mhla_convert(tiny, tmp_path):
