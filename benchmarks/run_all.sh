@@ -36,6 +36,15 @@ for model in wan-layer sana wan; do
     echo "== $py benchmarks/wan_forward.py --model $model >> whole_models.txt"
     "$py" benchmarks/wan_forward.py --model "$model" >> "$out/whole_models.txt" 2>&1 || { echo "   failed"; failed=1; }
 done
+: > "$out/whole_models_compiled.txt"
+for model in sana wan; do
+    echo "== $py benchmarks/wan_forward.py --model $model --compile >> whole_models_compiled.txt"
+    "$py" benchmarks/wan_forward.py --model "$model" --compile >> "$out/whole_models_compiled.txt" 2>&1 \
+        || { echo "   failed"; failed=1; }
+done
+for model in llama qwen3; do  # both into lm_generate.json and .md
+    step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
+done
 echo "== $py benchmarks/fidelity.py > fidelity.txt"
 if "$py" benchmarks/fidelity.py --out "$out/fidelity-runs" > "$out/fidelity.txt" 2>&1; then
     cp "$out"/fidelity-runs/fidelity.{json,md,png} "$out"/ && rm -rf "$out/fidelity-runs"

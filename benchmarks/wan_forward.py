@@ -4,11 +4,21 @@ random weights) at 81x480x800 (31,500 tokens), or with --model sana a SANA-1600M
 with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at
 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|sana|wan-layer] [--backend auto|torch|triton]
+    python benchmarks/wan_forward.py [--model wan|sana|wan-layer] [--backend auto|torch|triton] [--compile]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
 bf16, batch 1, no grad; median of CUDA-event timings of whole forwards after warm-up.
+
+--compile also times every model under `torch.compile(model, fullgraph=True, dynamic=False)`: inductor's
+default mode, what diffusers' and PyTorch's guides tell a diffusers user to write
+(`pipe.transformer.compile(fullgraph=True)`). CUDA graphs ("reduce-overhead") gain little on forwards of
+tens of milliseconds and more, and "max-autotune" spends minutes autotuning GEMMs cuBLAS already runs
+well. Each shape compiles once, statically, in the warm-up (never timed); the table then shows every
+variant eager and compiled, its speed-up over the original in the same mode, and compiled over eager.
+
+--tiny runs narrow 2-3-layer versions of wan and sana on the CPU in float32 (perf_counter timings;
+--compile traces with the "aot_eager" backend, no code generation): a smoke run.
 """
 
 from __future__ import annotations
@@ -16,6 +26,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
+import traceback
+from dataclasses import dataclass
 from datetime import date
 
 import torch
@@ -28,13 +41,44 @@ WAN_CONFIG = dict(
     qk_norm="rms_norm_across_heads", eps=1e-6,
 )
 WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid
+# --tiny: narrow, shallow models and small grids of the same kinds
+TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
+                freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
+TINY_SANA = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                 num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+                 caption_channels=12, sample_size=16, patch_size=1)
 
 
-def _time(fn, warmup=2, reps=7) -> float:
+@dataclass
+class Setup:
+    backend: str = "auto"
+    compile: bool = False
+    tiny: bool = False
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.tiny else "cuda"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.tiny else torch.bfloat16
+
+    def randn(self, *shape) -> torch.Tensor:
+        return torch.randn(*shape, device=self.device, dtype=self.dtype)
+
+
+def _time(fn, setup: Setup, warmup=2, reps=7) -> float:
+    if setup.tiny:
+        warmup, reps = 1, 1
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if setup.tiny:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -44,57 +88,90 @@ def _time(fn, warmup=2, reps=7) -> float:
     return statistics.median(times)
 
 
-def _alternated(fns: dict, rounds=5) -> dict:
-    """Median of `_time` over `rounds` rounds that run every fn in turn: a host-bound model's time (SANA at
+def _compiled(model, setup: Setup):
+    """`model` under torch.compile as a diffusers user compiles a transformer (see the module docstring); a
+    wrapper, so the eager model stays as it is."""
+    return torch.compile(model, fullgraph=True, dynamic=False, **({"backend": "aot_eager"} if setup.tiny else {}))
+
+
+def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[str, float, float | str | None]]:
+    """(name, eager ms, compiled ms) of call(model) for every model; compiled is None without --compile and
+    the error's first line where compiling failed. The first call of each compiled model (its warm-up)
+    compiles it.
+
+    `alternate`: the median over rounds that time every variant in turn: a host-bound model's time (SANA at
     1024 px) drifts with the host between calls, by more than the difference being measured, so each round
     times the variants back to back and the drift falls on all of them alike."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(_time(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
+    fns = {(name, "eager"): (lambda m=m: call(m)) for name, m in models.items()}
+    if setup.compile:
+        fns.update({(name, "compiled"): (lambda m=_compiled(m, setup): call(m)) for name, m in models.items()})
+    times, errors = {key: [] for key in fns}, {}
+    with torch.no_grad():
+        for _ in range(5 if alternate and not setup.tiny else 1):
+            for key, fn in fns.items():
+                if key in errors:
+                    continue
+                try:
+                    times[key].append(_time(fn, setup))
+                except Exception as e:  # noqa: BLE001 - a compile error goes in the table; eager ones raise
+                    if key[1] == "eager":
+                        raise
+                    traceback.print_exc()
+                    first = (str(e).strip().splitlines() or [""])[0].replace("|", "/")
+                    errors[key] = f"{type(e).__name__}: {first}"
+    median = {key: statistics.median(t) for key, t in times.items() if t}
+    return [(name, median[name, "eager"], errors.get((name, "compiled"), median.get((name, "compiled"))))
+            for name in models]
 
 
-def _converted(model, backend, **plan):
+def _converted(model, setup: Setup, **plan):
     out = copy.deepcopy(model)
-    convert(out, backend=backend, **plan)
+    convert(out, backend=setup.backend, **plan)
     return out
 
 
-def _wan(num_layers=30):
+def _wan(setup: Setup, num_layers=30):
     from diffusers import WanTransformer3DModel
 
-    with torch.device("cuda"):
-        return WanTransformer3DModel(**{**WAN_CONFIG, "num_layers": num_layers}).to(torch.bfloat16).eval()
+    config = {**WAN_CONFIG, **(TINY_WAN if setup.tiny else {"num_layers": num_layers})}
+    with torch.device(setup.device):
+        return WanTransformer3DModel(**config).to(setup.dtype).eval()
 
 
-def bench_wan(backend):
-    model = _wan()
-    x = torch.randn(1, 16, 21, 60, 100, device="cuda", dtype=torch.bfloat16)
-    text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16)
-    t = torch.tensor([500], device="cuda")
+def bench_wan(setup: Setup):
+    model = _wan(setup)
+    layers, cfg = model.config.num_layers, model.config
+    if setup.tiny:
+        title, x, blocks = "tiny Wan, 3x4x4 tokens", setup.randn(1, cfg.in_channels, 3, 8, 8), (3, 2, 2)
+    else:
+        title = "Wan2.1-1.3B-shaped, 81x480x800 -> 21x30x50 = 31,500 tokens"
+        x, blocks = setup.randn(1, 16, 21, 60, 100), WAN_BLOCKS
+    text = setup.randn(1, 8 if setup.tiny else 512, cfg.text_dim)
+    t = torch.tensor([500], device=setup.device)
+    m = blocks[0] * blocks[1] * blocks[2]
+    hybrid, kept = [i for i in range(layers) if i % 3], [i for i in range(layers) if not i % 3]
+    kept_text = f"0,3,...,{kept[-1]}" if len(kept) > 2 else ",".join(map(str, kept))
     variants = {
         "original (SDPA)": model,
-        f"all 30 self-attentions -> MHLA ({backend}), M=105": _converted(model, backend, blocks=WAN_BLOCKS),
-        f"20 of 30 -> MHLA ({backend}), softmax at 0,3,...,27": _converted(
-            model, backend, blocks=WAN_BLOCKS, layers=[i for i in range(30) if i % 3]),
+        f"all {layers} self-attentions -> MHLA ({setup.backend}), M={m}": _converted(model, setup, blocks=blocks),
+        f"{len(hybrid)} of {layers} -> MHLA ({setup.backend}), softmax at {kept_text}":
+            _converted(model, setup, blocks=blocks, layers=hybrid),
     }
-    with torch.no_grad():
-        rows = [(name, _time(lambda: m(x, t, text, return_dict=False))) for name, m in variants.items()]
-    return "Wan2.1-1.3B-shaped, 81x480x800 -> 21x30x50 = 31,500 tokens", rows
+    return title, [_measure(variants, lambda m: m(x, t, text, return_dict=False), setup)]
 
 
-def bench_wan_layer(backend):
+def bench_wan_layer(setup: Setup):
     from triton.testing import do_bench
 
     from mhla_convert import mhla_layers
     from mhla_convert.ops import mhla_attention
     from mhla_convert.ops.rotary import InterleavedRotary
 
-    model = _wan(num_layers=1)
+    backend = setup.backend
+    model = _wan(setup, num_layers=1)
     rotary = model.rope(torch.randn(1, 16, 21, 60, 100, device="cuda", dtype=torch.bfloat16))
     attn = model.blocks[0].attn1
-    mhla_model = _converted(model, backend, blocks=WAN_BLOCKS)
+    mhla_model = _converted(model, setup, blocks=WAN_BLOCKS)
     layer = mhla_layers(mhla_model)[0][1]
     layer.token_grid.grid = grid = (21, 30, 50)
     h = torch.randn(1, 31500, 1536, device="cuda", dtype=torch.bfloat16)
@@ -116,43 +193,76 @@ def bench_wan_layer(backend):
         "SDPA op": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
     }
     with torch.no_grad():
-        rows = [(name, do_bench(fn, warmup=25, rep=200, return_mode="median")) for name, fn in pieces.items()]
-    return "one Wan2.1-1.3B self-attention module, 31,500 tokens (ms; speed-up column: vs the first row)", rows
+        rows = [(name, do_bench(fn, warmup=25, rep=200, return_mode="median"), None) for name, fn in pieces.items()]
+    return "one Wan2.1-1.3B self-attention module, 31,500 tokens (ms; speed-up column: vs the first row)", [rows]
 
 
-def bench_sana(backend):
+def bench_sana(setup: Setup):
     from diffusers import SanaTransformer2DModel
 
-    with torch.device("cuda"):
-        model = SanaTransformer2DModel().to(torch.bfloat16).eval()
+    with torch.device(setup.device):
+        model = SanaTransformer2DModel(**(TINY_SANA if setup.tiny else {})).to(setup.dtype).eval()
     cfg = model.config
-    text = torch.randn(1, 300, cfg.caption_channels, device="cuda", dtype=torch.bfloat16)
-    t = torch.tensor([500], device="cuda")
-    rows = []
-    with torch.no_grad():
-        for px, side, blocks in ((1024, 32, (4, 4)), (4096, 128, (8, 8))):  # M = 16 and 64
-            x = torch.randn(1, cfg.in_channels, side, side, device="cuda", dtype=torch.bfloat16)
-            mhla = _converted(model, backend, blocks=blocks)
-            rows += _alternated({f"{px} px original (SANA linear attention), {side}x{side} tokens":
-                                 lambda: model(x, text, t, return_dict=False),
-                                 f"{px} px MHLA ({backend}), M={blocks[0] * blocks[1]}":
-                                 lambda m=mhla: m(x, text, t, return_dict=False)}).items()
-            del mhla
-    return "SANA-1600M-shaped (class defaults)", rows
+    text = setup.randn(1, 8 if setup.tiny else 300, cfg.caption_channels)
+    t = torch.tensor([500], device=setup.device)
+    # (px, latent side, blocks): M = 16 and 64 (tiny: 4 and 16)
+    sizes = ((1024, 8, (2, 2)), (4096, 16, (4, 4))) if setup.tiny else ((1024, 32, (4, 4)), (4096, 128, (8, 8)))
+    groups = []
+    for px, side, blocks in sizes:
+        x = setup.randn(1, cfg.in_channels, side, side)
+        mhla = _converted(model, setup, blocks=blocks)
+        groups.append(_measure({f"{px} px original (SANA linear attention), {side}x{side} tokens": model,
+                                f"{px} px MHLA ({setup.backend}), M={blocks[0] * blocks[1]}": mhla},
+                               lambda m: m(x, text, t, return_dict=False), setup, alternate=True))
+        del mhla
+        torch._dynamo.reset()  # the next size compiles afresh
+    return "tiny SANA" if setup.tiny else "SANA-1600M-shaped (class defaults)", groups
 
 
-def main():
+def report(title: str, groups: list, setup: Setup) -> str:
+    """The Markdown rows of `groups` (lists of (name, eager ms, compiled ms or None)); speed-ups are against
+    each group's first row, in the same mode."""
+    device = "cpu" if setup.tiny else torch.cuda.get_device_name()
+    dtype = "fp32" if setup.tiny else "bf16"
+    lines = [f"\n{date.today()} {device} {dtype} batch 1 — {title}"]
+    if setup.compile:
+        lines[0] += " — eager and torch.compile(fullgraph=True)"
+        lines += ["| variant | eager | speed-up | compiled | speed-up | compiled vs eager |", "|---" * 6 + "|"]
+    for group in groups:
+        _, base, base_compiled = group[0]
+        for name, ms, compiled in group:
+            line = f"| {name} | {ms:.3f} ms | {base / ms:.2f}x |"
+            if isinstance(compiled, str):
+                line += f" failed: {compiled} | - | - |"
+            elif setup.compile:
+                speedup = "-" if isinstance(base_compiled, str) else f"{base_compiled / compiled:.2f}x"
+                line += f" {compiled:.3f} ms | {speedup} | {ms / compiled:.2f}x |"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="wan", choices=("wan", "sana", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
-    args = ap.parse_args()
-    title, rows = {"wan": bench_wan, "sana": bench_sana, "wan-layer": bench_wan_layer}[args.model](args.backend)
-    print(f"\n{date.today()} {torch.cuda.get_device_name()} bf16 batch 1 — {title}")
-    base = rows[0][1]
-    for name, ms in rows:
-        if name.endswith("tokens"):
-            base = ms
-        print(f"| {name} | {ms:.3f} ms | {base / ms:.2f}x |")
+    ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana)")
+    args = ap.parse_args(argv)
+    if args.model == "wan-layer" and (args.compile or args.tiny):
+        ap.error("--model wan-layer times one module's pieces on the GPU, without --compile or --tiny")
+    if not args.tiny and not torch.cuda.is_available():
+        ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
+    setup = Setup(args.backend, args.compile, args.tiny)
+    threads = torch.get_num_threads()
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
+    try:
+        title, groups = {"wan": bench_wan, "sana": bench_sana, "wan-layer": bench_wan_layer}[args.model](setup)
+    finally:
+        torch.set_num_threads(threads)
+    text = report(title, groups, setup)
+    print(text, flush=True)
+    return text
 
 
 if __name__ == "__main__":

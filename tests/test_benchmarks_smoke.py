@@ -1,0 +1,151 @@
+"""Smoke runs of the GPU benchmark scripts in their `--tiny` CPU mode: every configuration produces a row,
+the numbers are consistent, and the LM benchmark's decoding loop drives the model exactly as generate() does."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def load(monkeypatch):
+    """load("lm_generate") -> the benchmark script as a module."""
+
+    def load(name):
+        spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look their module up)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+def test_lm_generate_tiny_matrix(load, tmp_path, capsys):
+    lm = load("lm_generate")
+    result = lm.main(["--tiny", "--out", str(tmp_path)])
+    rows = result["rows"]
+    keys = [(r["model"], r["variant"], r["prompt"], r["batch"]) for r in rows]
+    assert sorted(keys) == sorted(itertools.product(["llama", "qwen3"], ["original", "mhla", "hybrid"], [64, 128],
+                                                    [1, 8]))
+    for r in rows:
+        assert "error" not in r, r
+        assert r["same_tokens_as_generate"] and r["max_logit_diff_vs_generate"] < 1e-5, r
+        assert r["repeat_ok"] and r["compiled_while_measured"] == 0
+        assert r["decode_steps"] == 7 and r["prefill_ms"] > 0 and r["decode_ms_per_step"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["batch"] * 7 / r["decode_ms"] * 1e3)
+        assert r["peak_gib"] is None and r["wall_over_gpu_profiler"] is None  # no GPU
+        assert len(r["converted_layers"]) == {"original": 0, "mhla": 2, "hybrid": 1}[r["variant"]]
+    cache = {(r["model"], r["variant"], r["prompt"], r["batch"]): r["cache_mib"] for r in rows}
+    for model, batch in itertools.product(["llama", "qwen3"], [1, 8]):
+        # a KV cache grows with the prompt; the MHLA state does not (its ring and summaries are fixed)
+        assert cache[model, "original", 128, batch] > cache[model, "original", 64, batch]
+        assert cache[model, "mhla", 128, batch] == cache[model, "mhla", 64, batch] > 0
+        assert cache[model, "mhla", 64, 8] == pytest.approx(8 * cache[model, "mhla", 64, 1], rel=1e-3)
+
+    saved = json.loads((tmp_path / "lm_generate.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert saved["runs"][0]["command"] == f"python benchmarks/lm_generate.py --tiny --out {tmp_path}"
+    table = capsys.readouterr().out.split("\n| model |")[1]
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 24
+    assert (tmp_path / "lm_generate.md").read_text().count("\n| llama |") == 12
+
+    # a later run into the same directory replaces the rows it measures again and keeps the others
+    lm.main(["--tiny", "--models", "qwen3", "--variants", "original", "--prompts", "64", "--batches", "1",
+             "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "lm_generate.json").read_text())
+    assert len(saved["runs"]) == 2 and len(saved["rows"]) == 24
+    assert [r["run"] for r in saved["rows"] if (r["model"], r["variant"], r["prompt"], r["batch"])
+            == ("qwen3", "original", 64, 1)] == [1]
+
+
+def test_profiler_reading_runs(load):
+    """The profiler path of the GPU run, on the CPU: no device intervals, so no GPU time."""
+    assert load("lm_generate").profiled_gpu_ms(lambda: torch.ones(4).add_(1), cuda=False) is None
+
+
+def test_lm_generate_compiled_step_traces_whole(load, tmp_path):
+    """The decoding step of every variant traces as one graph (fullgraph=True) through the static cache: the
+    benchmark's GPU path, with dynamo alone."""
+    lm = load("lm_generate")
+    rows = lm.main(["--tiny", "--compile", "eager", "--models", "llama", "--prompts", "64", "--batches", "2",
+                    "--out", str(tmp_path)])["rows"]
+    assert [r["variant"] for r in rows] == ["original", "mhla", "hybrid"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["same_tokens_as_generate"] and r["max_logit_diff_vs_generate"] < 1e-5
+        assert r["compiled_while_measured"] == 0
+
+
+def test_lm_generate_records_a_failing_variant(load, tmp_path, monkeypatch):
+    lm = load("lm_generate")
+    build = lm.variant_model
+
+    def variant_model(name, variant, *args):
+        if variant == "hybrid":
+            raise RuntimeError("conversion failed here")
+        return build(name, variant, *args)
+
+    monkeypatch.setattr(lm, "variant_model", variant_model)
+    rows = lm.main(["--tiny", "--models", "llama", "--variants", "original,hybrid", "--prompts", "64",
+                    "--batches", "1,2", "--out", str(tmp_path)])["rows"]
+    failed = "RuntimeError: conversion failed here"
+    assert [r.get("error") for r in rows] == [None, None, failed, failed]
+    assert "conversion failed here" in (tmp_path / "lm_generate.md").read_text()
+
+
+@pytest.mark.parametrize("argv", [["--tiny", "--variants", "mhla,sliding"], ["--tiny", "--prompts", "x"],
+                                  ["--tiny", "--new-tokens", "1"], ["--tiny", "--mhla-option", "window"]])
+def test_lm_generate_bad_arguments(load, argv, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        load("lm_generate").main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+@pytest.mark.parametrize("script", ["lm_generate", "wan_forward"])
+def test_benchmarks_need_a_gpu_without_tiny(load, script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load(script).main(["--out", str(tmp_path)] if script == "lm_generate" else [])
+    assert exit_.value.code == 2 and "--tiny" in capsys.readouterr().err
+
+
+def _table(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| variant")]
+
+
+def test_wan_forward_tiny_compiled(load):
+    """Wan: original, all layers and the 2/3 hybrid, eager and compiled (fullgraph, traced by aot_eager)."""
+    rows = _table(load("wan_forward").main(["--tiny", "--model", "wan", "--compile"]))
+    assert [r[0].split(" ")[0] for r in rows] == ["original", "all", "2"]
+    for name, eager, speedup, compiled, compiled_speedup, gain in rows:
+        assert float(eager.removesuffix(" ms")) > 0 and float(compiled.removesuffix(" ms")) > 0
+        assert gain.endswith("x") and speedup.endswith("x") and compiled_speedup.endswith("x")
+    assert rows[0][2] == rows[0][4] == "1.00x"
+
+
+def test_wan_forward_tiny_sana_records_a_compile_failure(load, monkeypatch):
+    """SANA at two sizes, alternating rounds; a model that fails to compile is reported in its row, and the
+    eager numbers stay."""
+    wf = load("wan_forward")
+
+    def broken(model, setup):
+        def call(*args, **kwargs):
+            raise RuntimeError("graph break | somewhere")
+        return call
+
+    monkeypatch.setattr(wf, "_compiled", broken)
+    rows = _table(wf.main(["--tiny", "--model", "sana", "--compile"]))
+    assert [r[0].split(" ")[:2] for r in rows] == [["1024", "px"]] * 2 + [["4096", "px"]] * 2
+    for row in rows:
+        assert float(row[1].removesuffix(" ms")) > 0
+        assert row[3] == "failed: RuntimeError: graph break / somewhere" and row[4:] == ["-", "-"]
