@@ -61,7 +61,7 @@ def main():
     print(f"max relative difference triton vs torch over the tokens: {err:.2e}")
     from triton.testing import do_bench
 
-    from mhla_convert.kernels.recurrent_triton import mhla_recurrent_step_triton
+    from mhla_convert.kernels import mhla_recurrent_step_triton
     from mhla_convert.ops import resolve_feature_map
 
     relu = resolve_feature_map("relu")

@@ -1,10 +1,12 @@
-"""Host time against GPU time of one MHLA forward at the small shapes (is the forward launch-bound?), and of
-one forward + backward step at the small shapes and Wan's.
+"""Host time against GPU time of one MHLA forward at the small shapes (is the forward launch-bound?), eager and
+captured in a CUDA graph by torch.compile(mode="reduce-overhead"), and of one forward + backward step at the
+small shapes and Wan's.
 
     python benchmarks/host_overhead.py [--profile]
 
 Forward: wall time per call of 500 forwards enqueued without synchronising; GPU: do_bench median (CUDA
-events). Equal numbers mean the GPU waits on Python. Forward + backward: host time per step of 60 steps
+events). Equal numbers mean the GPU waits on Python; a CUDA graph replays all the forward's launches at the
+cost of one. Forward + backward: host time per step of 60 steps
 enqueued while a GPU sleep holds the device (so no launch waits on the GPU), against the do_bench median of
 the step. A step whose host time nears its GPU time is paced by the host whenever the host slows down.
 --profile adds a cProfile of the DiT 1,024 forward and forward + backward: where the host time goes.
@@ -48,11 +50,15 @@ def forward_rows():
         q, k, v = (torch.randn(1, 1024, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         mixing = locality_mixing(blocks).cuda()
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        attend = lambda *t: mhla_attention(*t, grid=grid, blocks=blocks, backend="triton")  # noqa: E731
+        graphed = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
         with torch.no_grad():
-            run = lambda: mhla_attention(q, k, v, mixing, grid=grid, blocks=blocks, backend="triton")  # noqa: E731
+            run = lambda: attend(q, k, v, mixing)  # noqa: E731
+            replay = lambda: graphed(q, k, v, mixing)  # noqa: E731
             sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
-            host, sdpa_host = host_ms(run), host_ms(sdpa)
+            host, graph_host, sdpa_host = host_ms(run), host_ms(replay), host_ms(sdpa)
             print(f"{name}: MHLA host {host:.4f} ms/call, do_bench {median_ms(run):.4f} ms; "
+                  f"MHLA in a CUDA graph host {graph_host:.4f}, do_bench {median_ms(replay):.4f}; "
                   f"SDPA host {sdpa_host:.4f}, do_bench {median_ms(sdpa):.4f}", flush=True)
 
 

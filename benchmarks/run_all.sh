@@ -30,7 +30,6 @@ step kernel_breakdown.txt "$py" benchmarks/kernel_breakdown.py
 step attention_op.log "$py" benchmarks/attention_op.py --out "$out/attention_op"
 step decode_step.txt "$py" benchmarks/decode_step.py
 step host_overhead.txt "$py" benchmarks/host_overhead.py
-step offline_compile.txt "$py" benchmarks/offline_compile.py
 : > "$out/whole_models.txt"
 for model in wan-layer sana wan; do
     echo "== $py benchmarks/wan_forward.py --model $model >> whole_models.txt"

@@ -9,6 +9,7 @@ the kernels write is poisoned with NaN first, so an element left unwritten fails
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-from mhla_convert.kernels import mhla_recurrent_step_triton, mhla_triton  # noqa: E402
+from mhla_convert.kernels import mhla_recurrent_step_triton, mhla_triton, settings  # noqa: E402
 from mhla_convert.ops import (  # noqa: E402
     BlockLayout,
     init_state,
@@ -62,6 +63,15 @@ def poison(monkeypatch):
         return out if zero else out.fill_(float("nan"))
 
     monkeypatch.setattr(mhla_triton, "_new", nan_filled)
+
+
+def _settings(monkeypatch, **changes):
+    """The launch settings with `changes` for this test (to reach a kernel on small shapes)."""
+    monkeypatch.setattr(settings, "SETTINGS", replace(settings.SETTINGS, **changes))
+
+
+# the one-tile mixing kernel for M ≤ 16 (one tile of 16 rows), which the shipped settings leave to the tiled one
+ONE_TILE_16 = {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")}
 
 
 # (grid, blocks, chunk_size, causal, H, H_kv, D, Dv, per-head mixing, normalize, feature map)
@@ -185,14 +195,6 @@ def test_interpreter_forward_only(name):
     _compare_forward(CASES[name], torch.float32, "cpu", 1e-5)
 
 
-@interp
-@pytest.mark.parametrize("name", ["2d-odd-grid", "causal-per-head-elu-unnorm", "split-head-dims-gqa"])
-def test_interpreter_tiled_mixing(name, monkeypatch):
-    """The mixing GEMM tiled over rows and K (what a block count outside MIX_SWEEP takes), forward and transposed."""
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {})
-    _compare(CASES[name], torch.float32, "cpu", 1e-5)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sweep", [True, False], ids=["sweep", "tiled"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -202,7 +204,7 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
     # (M = 7: one tile of 16 rows)
-    monkeypatch.setattr(mhla_triton, "MIX_SWEEP", {(16, "half"): (16, 4, 2, 4)} if sweep else {})
+    _settings(monkeypatch, mix_sweep={(16, "half"): (16, 4, 2, 4)} if sweep else {})
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(mhla_triton, "_run", lambda fn, *a: launched.append(fn) or real_run(fn, *a))
     device = "cuda" if CUDA else "cpu"
@@ -250,8 +252,8 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
     w = torch.randn(batch, heads, 2, n, device=device)
     plan = mhla_triton._plan(q, kv[..., :dim], kv, torch.rand(m, m, device=device), layout, causal=False,
                              phi=resolve_feature_map("relu"), normalize=True, scale=scale, eps=1e-6)
-    f = mhla_triton._static(plan, q.device)
-    assert f["bwd_summaries"][2]["ATOMIC"] == split
+    f = mhla_triton._Launches(plan)
+    assert f.bwd_summaries[2]["ATOMIC"] == split
     dst = mhla_triton._bwd_summaries(plan, q, do, w, f).double()
     fq = (torch.relu(q.double()) * (w[:, :, 0].double() * scale).transpose(1, 2)[..., None]).to(dtype).double()
     group = lambda x: x.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)  # noqa: E731  (query heads of one mixed summary)
@@ -271,9 +273,7 @@ def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
     interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    monkeypatch.setattr(
-        mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")}
-    )
+    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -283,8 +283,8 @@ def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
     mixing = torch.rand(layout.num_blocks, layout.num_blocks, device=device)
     plan = mhla_triton._plan(k, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"), normalize=True,
                              scale=1.0, eps=1e-6)
-    f = mhla_triton._static(plan, k.device)
-    assert f["hilo"]
+    f = mhla_triton._Launches(plan)
+    assert f.hilo
     s = mhla_triton._summaries(plan, k, v, f=f)
     fk = torch.relu(k.double())
     want = torch.cat([_block_sums(fk, v, layout), _block_sums(fk, torch.ones_like(k[..., :1]), layout)], -1)
@@ -307,9 +307,7 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     tl.dot is wrong in Triton 3.6, bf16 on a GPU); grouped mixing heads keep the tiled kernels."""
     if not (INTERPRETED or CUDA):
         pytest.skip("needs the interpreter or a GPU")
-    monkeypatch.setattr(
-        mhla_triton, "MIX_SWEEP", {(16, kind): (16, 4, 2, 4) for kind in ("half", "float", "grad", "grad_float")}
-    )
+    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(
         mhla_triton,
@@ -374,6 +372,7 @@ FAMILY_CASES = {
     "sana-d32-unnorm": ((33, 31), (4, 4), None, False, 6, 6, 32, 32, False, False, "relu"),
     "llm-d64-causal-gqa": ((1000,), None, 64, True, 8, 2, 64, 64, False, False, "relu"),
     "llm-d64-causal-per-head-elu": ((777,), None, 64, True, 4, 4, 64, 64, True, True, "elu"),
+    "d64-per-head-gqa-elu": ((24, 20), (4, 4), None, False, 4, 2, 64, 64, True, True, "elu"),
 }
 
 
@@ -387,34 +386,13 @@ def test_cuda_matches_torch(name, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["wan-d128", "dit-d72", "causal-blocks", "sana-d32-unnorm"])
-def test_cuda_launch_shapes_and_fast_launch(name, dtype, monkeypatch):
-    """Per-head-dim launch shapes (4 warps, 3 stages at every head dim) and the cached direct launches
-    (a second call replays the first call's compiled kernels, through Triton's C launcher itself)."""
-    monkeypatch.setattr(
-        mhla_triton, "FWD_CONFIGS", {dims: (4, 3) for dims in ((128, 128), (72, 72), (24, 20), (32, 32))}
-    )
-    case = {**CASES, **FAMILY_CASES}[name]
-    compiled, real = [], mhla_triton._compiled
-    monkeypatch.setattr(mhla_triton, "_compiled", lambda *a: compiled.append(real(*a)) or compiled[-1])
-    _compare(case, dtype, "cuda", TOL[dtype])
-    assert compiled and all(hit and not hasattr(hit[0], "launch") for hit in compiled)  # (not Triton's wrapper)
-    seen = len(compiled)
-    _compare(case, dtype, "cuda", TOL[dtype])
-    assert len(compiled) == seen
-
-
-@pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("name", ["wan-d128", "causal-blocks"])
-def test_cuda_unaligned_inputs_get_their_own_kernels(name, monkeypatch):
-    """Triton specialises a kernel on its pointers' 16-byte alignment, and the direct launches pass bare
-    addresses: inputs one element off alignment (views into a larger buffer), after aligned ones of the same
-    shapes, must get kernels compiled for them and the torch path's results."""
+def test_cuda_unaligned_inputs(name, monkeypatch):
+    """Triton specialises a kernel on its pointers' 16-byte alignment: inputs one element off alignment (views
+    into a larger buffer), after aligned ones of the same shapes, must get the torch path's results."""
     case = {**CASES, **FAMILY_CASES}[name]
     _compare(case, torch.bfloat16, "cuda", TOL[torch.bfloat16])
-    real_inputs, compiled, real = _inputs, [], mhla_triton._compiled
+    real_inputs = _inputs
 
     def unaligned(*args, **kw):
         out = []
@@ -424,95 +402,52 @@ def test_cuda_unaligned_inputs_get_their_own_kernels(name, monkeypatch):
         return out
 
     monkeypatch.setitem(globals(), "_inputs", unaligned)
-    monkeypatch.setattr(mhla_triton, "_compiled", lambda *a: compiled.append(real(*a)) or compiled[-1])
     _compare(case, torch.bfloat16, "cuda", TOL[torch.bfloat16])
-    assert compiled  # (an aligned kernel reused here would read misaligned vectors)
+
+
+def _record_launches(monkeypatch) -> list:
+    """(kernel, keyword arguments) of every launch of the attention operator from here on."""
+    launched, real_run = [], mhla_triton._run
+    monkeypatch.setattr(
+        mhla_triton, "_run", lambda fn, launch, t: launched.append((fn, launch[2])) or real_run(fn, launch, t)
+    )
+    return launched
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name", ["wan-d128", "llm-d64-causal-gqa"])
 def test_cuda_chained_launches(name, monkeypatch):
-    """On Hopper every launch of the operator is a programmatic dependent launch (`mhla_triton.PDL`): each
-    kernel waits for the previous one's writes before touching memory, so the results are the unchained
-    launches' (the poisoned buffers catch a read that came too early)."""
+    """On Hopper and later every launch of the operator is a programmatic dependent launch: each kernel waits
+    for the previous one's writes before touching memory, so the results are the torch path's (the poisoned
+    buffers catch a read that came too early)."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90")
-    case = FAMILY_CASES[name]
-    results, real_run = {}, mhla_triton._run
-    for chained in (True, False):
-        monkeypatch.setattr(mhla_triton, "PDL", chained)
-        launched = []
-        monkeypatch.setattr(
-            mhla_triton,
-            "_run",
-            lambda fn, launch, t, *rest: launched.append(launch[2]) or real_run(fn, launch, t, *rest),
-        )
-        torch.manual_seed(0)
-        tensors = _inputs(case, torch.bfloat16, "cuda")
-        grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
-        results[chained] = _run(case, tensors, "triton", grad_out)
-        assert all(kw.get("launch_pdl", False) == chained for kw in launched) and len(launched) >= 6
-    for got, want in zip(results[True], results[False]):
-        assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()) < 1e-6
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("hilo", [True, False], ids=["hilo", "float32"])
-@pytest.mark.parametrize("name", ["wan-blocks-105", "wan-d128"])
-def test_cuda_one_tile_gradient_launch_settings(name, hilo, monkeypatch):
-    """The shipped MIX_SWEEP settings of the one-tile mixing gradient fit the GPU for both operand forms (hi + lo
-    halves, and float32 where blocks are split or HILO_SUMMARIES is off: twice the shared memory per tile), and
-    give the torch path's results."""
-    monkeypatch.setattr(mhla_triton, "HILO_SUMMARIES", hilo)
-    launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(
-        mhla_triton,
-        "_run",
-        lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
-    )
+    launched = _record_launches(monkeypatch)
     _compare(FAMILY_CASES[name], torch.bfloat16, "cuda", TOL[torch.bfloat16])
-    grads = [kw for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel and kw["GRAD"]]
-    assert len(grads) == 1 and grads[0].get("HILO", False) == hilo
+    assert len(launched) >= 6 and all(kw.get("launch_pdl") and kw.get("PDL") for _, kw in launched)
+
+
+# blocks of 128 tokens over fewer programs than fill the GPU: each block's tiles are split over programs, so
+# the training summaries and dS̃ stay float32 (their partials are added), not hi + lo halves
+SPLIT_CASES = {
+    "split-blocks-80": ((10, 32, 32), (5, 4, 4), None, False, 2, 2, 128, 128, False, True, "relu"),
+    "split-blocks-48": ((6, 32, 32), (3, 4, 4), None, False, 2, 2, 128, 128, False, True, "relu"),
+}
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("name", ["wan-blocks-105", "wan-d128"])
-def test_cuda_partials_sum_on_a_second_stream(name, monkeypatch):
-    """From `SIDE_SUM_MIN_ELEMENTS` on, the mixing gradient's partials are summed on a second stream beside the
-    key side: the results are the one stream's, bit for bit. Sleeps before the transposed mixing (main stream)
-    and before the sum (side stream) make a missing wait read poisoned partials, or hand back the gradient
-    before it is written."""
-    case, results = FAMILY_CASES[name], {}
-    real_mix_t, real_run, real_fork = mhla_triton._mix_t, mhla_triton._run, mhla_triton._SideStream.fork
-
-    def fork_then_sleep(side):
-        real_fork(side)
-        with torch.cuda.stream(side.stream):
-            torch.cuda._sleep(10**7)
-
-    for side in (True, False):
-        monkeypatch.setattr(mhla_triton, "SIDE_SUM_MIN_ELEMENTS", 0 if side else 1 << 62)
-        streams = []
-        monkeypatch.setattr(mhla_triton, "_mix_t", lambda *a: torch.cuda._sleep(10**7) or real_mix_t(*a))
-        monkeypatch.setattr(mhla_triton._SideStream, "fork", fork_then_sleep)
-        monkeypatch.setattr(
-            mhla_triton,
-            "_run",
-            lambda fn, launch, t, stream=None: (
-                (streams.append(stream) if fn is mhla_triton.K._sum_partials_kernel else None)
-                or real_run(fn, launch, t, stream)
-            ),
-        )
-        torch.manual_seed(0)
-        tensors = _inputs(case, torch.bfloat16, "cuda")
-        grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
-        results[side] = _run(case, tensors, "triton", grad_out)
-        assert len(streams) == 1 and (streams[0] not in (None, torch.cuda.current_stream())) == side
-    for got, want in zip(results[True], results[False]):
-        assert torch.equal(got, want)
+@pytest.mark.parametrize("name", ["wan-blocks-105", "wan-d128", *SPLIT_CASES])
+def test_cuda_one_tile_gradient_launch_settings(name, monkeypatch):
+    """The shipped one-tile mixing gradient settings (`mix_sweep`) fit the GPU for both operand forms, at one
+    tile of 128 and of 64 rows: hi + lo halves, and float32 where blocks are split over programs (twice the
+    shared memory per tile), and give the torch path's results."""
+    monkeypatch.setattr(mhla_triton, "_programs_wanted", lambda device: 4 * 132)  # (split as on an H100 or H200)
+    launched = _record_launches(monkeypatch)
+    _compare({**FAMILY_CASES, **SPLIT_CASES}[name], torch.bfloat16, "cuda", TOL[torch.bfloat16])
+    grads = [kw for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel and kw["GRAD"]]
+    assert len(grads) == 1 and grads[0].get("HILO", False) == (name not in SPLIT_CASES)
 
 
 @pytest.mark.gpu
@@ -522,7 +457,7 @@ def test_cuda_partials_sum_on_a_second_stream(name, monkeypatch):
 @pytest.mark.parametrize("name", list(CASES) + list(FAMILY_CASES))
 def test_cuda_forward_only(name, dtype, mix, monkeypatch):
     """Both mixing paths of inference: the Triton GEMM and, for half inputs, torch.matmul."""
-    monkeypatch.setattr(mhla_triton, "MATMUL_MIX_MIN_BLOCKS", 0 if mix == "matmul" else 10**9)
+    _settings(monkeypatch, matmul_mix_min_blocks=0 if mix == "matmul" else 10**9)
     used, summaries = [], []
     real_mix, real_summaries = mhla_triton._mix_matmul, mhla_triton._summaries
     monkeypatch.setattr(mhla_triton, "_mix_matmul", lambda *a: used.append(1) or real_mix(*a))
@@ -537,8 +472,8 @@ def test_cuda_forward_only(name, dtype, mix, monkeypatch):
 @pytest.mark.gpu
 @gpu
 def test_cuda_inputs_on_several_devices_refused():
-    """The launches pass bare addresses, so the backend itself refuses inputs on another device by name, also
-    after a plan for the same shapes on one device exists (a CPU address would otherwise reach the kernel)."""
+    """The backend itself refuses inputs on another device by name (not by a pointer error from Triton), also
+    after a call with the same shapes on one device."""
     q, k, v, mixing = _inputs(CASES["2d-odd-grid"], torch.float32, "cuda")
     def call(m):
         return mhla_triton.mhla_attention_triton(q, k, v, m, BlockLayout.create((7, 9), (2, 3)), causal=False,
@@ -621,10 +556,7 @@ def test_interpreter_recurrent_step_matches_torch(name):
 @interp
 def test_interpreter_recurrent_step_split_programs(monkeypatch):
     """Query heads and value columns split over programs (masked tails of both)."""
-    from mhla_convert.kernels import recurrent_triton
-
-    monkeypatch.setattr(recurrent_triton, "STEP_ELEMENTS", 256)
-    monkeypatch.setattr(recurrent_triton, "STEP_MAX_GROUP", 2)
+    _settings(monkeypatch, step_elements=256, step_max_group=2)
     _step_compare((5, 5, 16, 3, 6, 2, 32, 20, True, True, "relu"), torch.float32, "cpu", 1e-5)
 
 

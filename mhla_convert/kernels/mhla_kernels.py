@@ -1,5 +1,6 @@
 """Triton kernels for MHLA (the math is `ops.mhla`'s docstring; `ops.mhla.mhla_attention_torch`
-is the naive reference each kernel is tested against).
+is the naive reference each kernel is tested against), its recurrent decoding step and the q/k norm +
+rotary op. Their launches are in `mhla_triton`, `recurrent_triton` and `rotary_triton`.
 
 Summaries live in one row per (batch, head, block) of COLS = D·Dv + D columns (float32; the input's
 half precision in inference): S_b row major, then z_b. That makes the mixing one plain GEMM over M for
@@ -14,7 +15,11 @@ Head dims and COLS are compile-time constants: a run-time D of 72 (not a multipl
 from Triton that the `d < D` masks are constant over runs of 8, and every load turns scalar. So is
 the block shape's S1, S2 (one compile per block shape: a resolution bucket, or an LM's chunk): `_rows`
 divides every row index of every tile by them, and with run-time divisors each of those divisions is a
-software integer division (a fifth of the readout's and a third of the summaries' SASS instructions on Wan).
+software integer division, a large share of the readout's and the summaries' instructions.
+
+Two workarounds for Triton 3.6 miscompiles on sm_90 (hence the pinned `triton` extra in pyproject.toml):
+`_summaries_kernel` weights φ rather than the loaded v tile, and `_mix_sweep_kernel` loads X again for its
+tf32 product (see there).
 """
 
 from __future__ import annotations
@@ -93,15 +98,14 @@ def _summaries_kernel(
     input's precision once, the operand of both products: dS̃'s with do, and dz̃'s with W[b, h, 1, n] = −do·o
     in two columns, its hi and lo half parts (in place of the forward's ones). Rounding those rows is the
     error dS̃ has anyway, and in dz̃ it adds nothing measurable to dk's and dmixing's errors (checked against a
-    float64 emulation); a float32 sum of the unrounded rows needs a cross-warp reduction per tile, which costs
-    Wan's dS̃ launch about a third more. The weight goes on φ, already in registers, and not on the loaded
-    v tile: rescaling that tile before its product made Triton 3.6 read shared memory out of range (bf16, sm_90).
+    float64 emulation); a float32 sum of the unrounded rows would need a cross-warp reduction per tile. The
+    weight goes on φ, already in registers, and not on the loaded v tile: rescaling that tile before its
+    product makes Triton 3.6 read shared memory out of range (bf16, sm_90).
 
-    z is a tile product with ones, like S, not a column sum: that avoids a cross-warp reduction per tile
-    (8% of the Wan summaries' time). BDH / BDVH > 0 split a head dim
-    that is not a power of two into BD + BDH columns (72 = 64 + 16 instead of 128): four smaller
-    accumulators in place of one mostly padded one (see `head_dim_parts`). HILO: float32 sums stored as two
-    halves, the rounded sum at S and its remainder LO elements on (`_put`)."""
+    z is a tile product with ones, like S, not a column sum: that avoids a cross-warp reduction per tile.
+    BDH / BDVH > 0 split a head dim that is not a power of two into BD + BDH columns (72 = 64 + 16 instead
+    of 128): four smaller accumulators in place of one mostly padded one (see `head_dim_parts`). HILO:
+    float32 sums stored as two halves, the rounded sum at S and its remainder LO elements on (`_put`)."""
     _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hs = (bh // HS).to(tl.int64), bh % HS
@@ -614,3 +618,26 @@ def _recurrent_step_kernel(
         acc = acc / (den + eps)[:, None]
     out = O + ((b * HKV + hk) * G + g[:, None]) * DV + e[None, :]
     tl.store(out, acc.to(O.dtype.element_ty), mask=gm[:, None] & em[None, :])
+
+
+@triton.jit
+def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, eps,
+                        C: tl.constexpr, D: tl.constexpr, BP: tl.constexpr, NORM: tl.constexpr, AFFINE: tl.constexpr):
+    """Row (b, n): y = x·rsqrt(mean(x²) + eps)·w, then out[2i] = y[2i]·c − y[2i+1]·s and
+    out[2i+1] = y[2i]·s + y[2i+1]·c with c = cos[2i], s = sin[2i+1] of the pair's head column."""
+    row = tl.program_id(0)
+    b, n = (row // N).to(tl.int64), (row % N).to(tl.int64)
+    c = tl.arange(0, 2 * BP)
+    x = tl.load(X + b * sxb + n * sxn + c, mask=c < C, other=0.0).to(tl.float32)
+    if NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, 0) / C + eps)
+    if AFFINE:
+        x = x * tl.load(W + c, mask=c < C, other=0.0).to(tl.float32)
+    xe, xo = tl.split(tl.reshape(x, (BP, 2)))
+    p = tl.arange(0, BP)
+    pm = p < C // 2
+    hc = (2 * p) % D  # the pair's even column within its head
+    cs = tl.load(COS + b * scb + n * scn + hc, mask=pm, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + b * ssb + n * ssn + hc + 1, mask=pm, other=0.0).to(tl.float32)
+    out = tl.reshape(tl.join(xe * cs - xo * sn, xe * sn + xo * cs), (2 * BP,))
+    tl.store(OUT + (b * N + n) * C + c, out.to(OUT.dtype.element_ty), mask=c < C)

@@ -5,13 +5,10 @@ updates the open chunk's summary and reads out φ(q)·(Σ r·summaries) with its
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import mhla_kernels as K
 from . import mhla_triton as MT
-
-STEP_ELEMENTS = 4096  # budget of the (query heads × D × value columns) product per program
-STEP_MAX_GROUP = 8  # query heads per program
+from . import settings
 
 
 def step_unsupported_reason(state, q, k, v, relative, *, phi) -> str | None:
@@ -62,17 +59,18 @@ def mhla_recurrent_step_triton(state, q, k, v, relative, *, phi, normalize, scal
     out = MT._new(batch, 1, heads, dv, device=q.device, dtype=q.dtype)
     new_s = MT._new(batch, kv_heads, dim, dv, device=q.device, dtype=torch.float32)
     new_z = MT._new(batch, kv_heads, dim, device=q.device, dtype=torch.float32)
-    bg = min(triton.next_power_of_2(groups), STEP_MAX_GROUP)
-    bd = triton.next_power_of_2(dim)
-    be = min(triton.next_power_of_2(dv), max(4, STEP_ELEMENTS // (bg * bd)))
+    cfg = settings.SETTINGS
+    bg = min(MT.next_power_of_2(groups), cfg.step_max_group)
+    bd = MT.next_power_of_2(dim)
+    be = min(MT.next_power_of_2(dv), max(4, cfg.step_elements // (bg * bd)))
     grid = (batch * kv_heads, MT._cdiv(groups, bg), MT._cdiv(dv, be))
     args = (
         q, k, v, relative, cur_s, cur_z, rec_s, rec_z, far_s, far_z, out, new_s, new_z, sqb, sqh, skb, skh, svb, svh,
         cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h, kv_heads,
         groups, window if relative.dim() == 2 else 0, window, float(scale), float(eps), dim, dv,
     )
-    kw = dict(
-        NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT._PHI_IDS[id(phi)], NORMALIZE=normalize, num_warps=4
+    K._recurrent_step_kernel[grid](
+        *args, NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT._PHI_IDS[id(phi)], NORMALIZE=normalize,
+        num_warps=cfg.warps,
     )
-    MT._launch(K._recurrent_step_kernel, grid, args, kw)
     return out, new_s, new_z

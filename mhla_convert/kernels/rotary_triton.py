@@ -1,38 +1,16 @@
-"""The Triton backend of `ops.rotary.norm_rotate_interleaved`: one program per token row reads the
-row once, takes its RMS over all heads, scales by the norm weight and rotates each (even, odd)
-channel pair, all in float32, and writes the row once. Inference only (no autograd Function)."""
+"""The Triton backend of `ops.rotary.norm_rotate_interleaved`: one launch of `mhla_kernels._norm_rotate_kernel`,
+whose program per token row reads the row once, takes its RMS over all heads, scales by the norm weight and
+rotates each (even, odd) channel pair, all in float32, and writes the row once. Inference only (no autograd
+Function)."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import nn
 
+from . import mhla_kernels as K
 from . import mhla_triton as MT
-
-
-@triton.jit
-def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, eps,
-                        C: tl.constexpr, D: tl.constexpr, BP: tl.constexpr, NORM: tl.constexpr, AFFINE: tl.constexpr):
-    """Row (b, n): y = x·rsqrt(mean(x²) + eps)·w, then out[2i] = y[2i]·c − y[2i+1]·s and
-    out[2i+1] = y[2i]·s + y[2i+1]·c with c = cos[2i], s = sin[2i+1] of the pair's head column."""
-    row = tl.program_id(0)
-    b, n = (row // N).to(tl.int64), (row % N).to(tl.int64)
-    c = tl.arange(0, 2 * BP)
-    x = tl.load(X + b * sxb + n * sxn + c, mask=c < C, other=0.0).to(tl.float32)
-    if NORM:
-        x = x * tl.rsqrt(tl.sum(x * x, 0) / C + eps)
-    if AFFINE:
-        x = x * tl.load(W + c, mask=c < C, other=0.0).to(tl.float32)
-    xe, xo = tl.split(tl.reshape(x, (BP, 2)))
-    p = tl.arange(0, BP)
-    pm = p < C // 2
-    hc = (2 * p) % D  # the pair's even column within its head
-    cs = tl.load(COS + b * scb + n * scn + hc, mask=pm, other=0.0).to(tl.float32)
-    sn = tl.load(SIN + b * ssb + n * ssn + hc + 1, mask=pm, other=0.0).to(tl.float32)
-    out = tl.reshape(tl.join(xe * cs - xo * sn, xe * sn + xo * cs), (2 * BP,))
-    tl.store(OUT + (b * N + n) * C + c, out.to(OUT.dtype.element_ty), mask=c < C)
+from . import settings
 
 
 def _table(t: torch.Tensor, batch: int, n: int, dim: int) -> tuple[int, int] | None:
@@ -78,7 +56,8 @@ def norm_rotate_triton(x, cos, sin, *, head_dim, norm):
     eps = (norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps) if norm is not None else 0.0
     args = (x, weight if weight is not None else x, cos, sin, out, x.stride(0), x.stride(1),
             *_table(cos, batch, n, head_dim), *_table(sin, batch, n, head_dim), n, float(eps))
-    kw = dict(C=channels, D=head_dim, BP=max(16, triton.next_power_of_2(channels) // 2), NORM=norm is not None,
-              AFFINE=weight is not None, num_warps=4)
-    MT._launch(_norm_rotate_kernel, (batch * n,), args, kw)
+    K._norm_rotate_kernel[(batch * n,)](
+        *args, C=channels, D=head_dim, BP=max(16, MT.next_power_of_2(channels) // 2), NORM=norm is not None,
+        AFFINE=weight is not None, num_warps=settings.SETTINGS.warps,
+    )
     return out

@@ -1,0 +1,109 @@
+"""Launch settings of the Triton kernels: tile sizes, warps, stages and the thresholds that pick a kernel.
+
+One table, `SETTINGS`, read at each launch by `mhla_triton` (attention), `recurrent_triton` (the decoding step)
+and `rotary_triton` (norm + rotary). The token-row kernels are limited by latency rather than bandwidth: a
+(D, Dv) float32 accumulator per program leaves room for few programs per SM, so most settings trade tile size
+against programs per SM. A program takes maxnreg x 32 x warps of an SM's 64K registers: 8 warps at 128
+registers fit 2 programs per SM, 4 warps at 128 fit 4, 4 warps at 168 fit 3. Tests replace the table
+(`dataclasses.replace`) to reach a kernel on small shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Launch(NamedTuple):
+    """The settings of one launch; None keeps the default named on each field."""
+
+    warps: int | None = None  # None: `Settings.wide_warps` for 128-column head-dim tiles, else `Settings.warps`
+    stages: int | None = None  # software pipelining depth; None: Triton's default
+    maxnreg: int | None = None  # register cap per thread; None: the compiler's choice
+    tokens: int | None = None  # token tile (non-causal); None: `Settings.tile_tokens`
+
+
+# 4 warps, 2 stages for tiles of at most 64 columns (72 = 64 + 16): no more warps needed, and the fewer stages
+# leave shared memory for more programs per SM
+_NARROW = Launch(4, 2)
+
+
+def _launches() -> dict[str, dict[int, Launch]]:
+    """Per launch and head dim (D == Dv), non-causal: where the defaults leave programs per SM unused."""
+    return {
+        # D = 128: 8 warps under a 128-register cap, so 2 programs share an SM
+        "summaries": {128: Launch(8, 3, 128), 72: _NARROW, 64: _NARROW},
+        # D = 128: 1 stage leaves shared memory for 4 programs per SM instead of 3
+        "readout": {128: Launch(4, 1, 128), 72: _NARROW, 64: _NARROW},
+        # no accumulator across tiles: a register cap and 32-token tiles give 4 programs per SM at D = 128 (a few
+        # bytes spill) and 3 at D = 72
+        "bwd_queries": {128: Launch(4, 1, 128, 32), 72: Launch(4, 1, 168, 32)},
+        # dS̃ (the summaries kernel, weighted): as the summaries, in 32-token tiles at D = 128 for the weight rows
+        "bwd_summaries": {128: Launch(8, 3, 128, 32), 72: Launch(4, 3), 64: _NARROW},
+        # dk and dv beside dS: 8 warps under a 128-register cap (2 programs per SM) over 64-token tiles
+        "bwd_keys": {128: Launch(8, 2, 128, 64), 72: Launch(8, 2, 128, 64)},
+    }
+
+
+def _causal_launches() -> dict[str, dict[int, Launch]]:
+    """Per launch and head dim, causal: a token tile is a whole chunk (no token tile or register cap to choose)."""
+    narrow = {dim: _NARROW for dim in (128, 72, 64)}
+    return {"summaries": narrow, "readout": narrow, "bwd_summaries": narrow}
+
+
+def _mix_sweep() -> dict[tuple[int, str], tuple[int, int, int, int]]:
+    """(BM, operand) -> (column tile, warps, stages, programs per SM) of the one-tile mixing kernel."""
+    return {
+        # inference's half summaries: the widest column tile that fits beside the mixing weights
+        (128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2),
+        # training's float32 summaries: their tiles take twice the room of half ones
+        (128, "float"): (64, 8, 3, 1),
+        # the backward's dS̃ with the mixing gradient in the same pass, over hi + lo halves: only 2 stages fit
+        # beside the mixing weights' hi + lo halves in shared memory
+        (128, "grad"): (64, 8, 2, 1), (64, "grad"): (32, 4, 3, 2),
+        # the same over float32 dS̃ and summaries (blocks split over programs): a 64-column tile does not fit
+        (128, "grad_float"): (32, 8, 3, 1), (64, "grad_float"): (32, 4, 3, 2),
+    }
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The launch settings (one instance: `SETTINGS`)."""
+
+    # largest head dim (D and Dv) the kernels take: one (D, Dv) float32 summary tile lives in a program's registers
+    max_head_dim: int = 128
+    # largest causal chunk: a chunk is one token tile, its masked C x C product in registers
+    max_chunk: int = 128
+    # token tile of the non-causal token-row kernels: the largest that keeps 2 or more programs per SM at D = 128
+    tile_tokens: int = 64
+    # warps per program: 4 for the token-row kernels, the decoding step and the rotary op; 8 where a head dim's
+    # tile is 128 columns wide (D > 64), whose (D, Dv) accumulator needs the registers of 8 warps
+    warps: int = 4
+    wide_warps: int = 8
+    # a launch whose programs fill the GPU fewer times than this splits each block's token tiles over several
+    # programs (which add float32 partials): small problems then still use every SM
+    programs_per_sm: int = 4
+    # overrides of warps, stages, register cap and token tile per launch and head dim (`_launches`)
+    launches: dict[str, dict[int, Launch]] = field(default_factory=_launches)
+    causal_launches: dict[str, dict[int, Launch]] = field(default_factory=_causal_launches)
+    # the one-tile mixing kernel (`_mix_sweep_kernel`, `_mix_sweep`), used when all M blocks fit one tile of
+    # BM = p2(M) rows and each output head reads one input head: it holds the whole M x M mixing once per
+    # program, so no summary column is read twice. Other M (at M ≤ 16 the row-tiled kernel is as fast), float32
+    # inputs and grouped heads take `_mix_kernel`
+    mix_sweep: dict[tuple[int, str], tuple[int, int, int, int]] = field(default_factory=_mix_sweep)
+    # the row-tiled mixing GEMM (`_mix_kernel`): BM, BN, BK, warps; few rows, as M is small
+    mix_tiles: tuple[int, int, int, int] = (32, 128, 32, 4)
+    # inference with at least this many blocks mixes half summaries with torch.matmul: a large M x M mixing is
+    # a real GEMM, where cuBLAS's tiling beats both mixing kernels; at M ≤ 128 it gains nothing
+    matmul_mix_min_blocks: int = 256
+    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (32 where M ≤ 32), BK, warps
+    dmix_tiles: tuple[int, int, int] = (64, 32, 4)
+    # the partials' fixed-order sum (`_sum_partials_kernel`): rows, columns, warps
+    sum_tiles: tuple[int, int, int] = (64, 32, 4)
+    # the decoding step: (query heads x D x value columns) per program, and query heads per program: small
+    # enough that one token's work spreads over the SMs
+    step_elements: int = 4096
+    step_max_group: int = 8
+
+
+SETTINGS = Settings()
