@@ -40,10 +40,11 @@ _PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # a (D, Dv) summary tile and a (C, Dv) accumulator live in registers
 MAX_CHUNK = 128  # a chunk is one tile of queries and one of keys
-# Warps per program by the widest head dim tile (64 or less: 4, as flash attention's 64-row tiles; 128: 8, so the
-# (C, 128) accumulator and the (128, 128) summary tile spread over more registers). Fixed rather than autotuned:
-# autotuning would time every configuration at each new shape inside a model's first forward.
-WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
+# (warps, pipeline stages) per program by the widest head dim tile, from sm_90 compiles of the bf16 kernels: at 64,
+# 4 warps take ~220 registers a thread (two programs per SM) and do not spill; at 128, 4 warps spill and 8 do not.
+# Two stages prefetch the next window chunk (the loop runs L times: a third stage would only take shared memory).
+# Fixed rather than autotuned, which would time every candidate at each new shape inside a model's first forward.
+LAUNCH = {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 2)}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
 
 
@@ -61,20 +62,21 @@ def _exact_summaries_kernel(
     D: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
 ):
-    """Row S[b, hk, j] = (Σ φ(k)ᵀ v row major, Σ φ(k)) over chunk j's tokens (masked keys left out)."""
-    hk, j, b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    """Row S[b, hk, j] = (Σ φ(k)ᵀ v row major, Σ φ(k)) over chunk j's tokens (masked keys left out).
+    (Base pointers in 64-bit scalars, offsets within a tile in 32 bits: fewer registers than 64-bit tiles.)"""
+    hk, j, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     r, d, e = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BDV)
-    s = j * C + r
-    valid = (r < C) & (s < N)
+    first = (j * C).to(tl.int64)
+    valid = (r < C) & (j * C + r < N)
     if MASKED:
-        valid &= tl.load(KM + b * smb + s, mask=valid, other=0) != 0
+        valid &= tl.load(KM + b * smb + first + r, mask=valid, other=0) != 0
     kmask = valid[:, None] & (d < D)[None, :]
-    k = tl.load(K + b * skb + hk * skh + s[:, None] * skn + d[None, :], mask=kmask, other=0.0)
+    k = tl.load(K + b * skb + hk * skh + first * skn + r[:, None] * skn + d[None, :], mask=kmask, other=0.0)
     fk = tl.where(kmask, _phi(k.to(tl.float32), PHI), 0.0)
-    v = tl.load(V + b * svb + hk * svh + s[:, None] * svn + e[None, :], mask=valid[:, None] & (e < DV)[None, :],
-                other=0.0)
+    v = tl.load(V + b * svb + hk * svh + first * svn + r[:, None] * svn + e[None, :],
+                mask=valid[:, None] & (e < DV)[None, :], other=0.0)
     kv = tl.dot(_operand(tl.trans(fk), v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
-    row = S + b * ssb + hk * ssh + j * ssj
+    row = S + b * ssb + hk * ssh + j.to(tl.int64) * ssj
     tl.store(row + d[:, None] * DV + e[None, :], kv.to(S.dtype.element_ty), mask=(d < D)[:, None] & (e < DV)[None, :])
     tl.store(row + D * DV + d, tl.sum(fk, 0).to(S.dtype.element_ty), mask=d < D)
 
@@ -88,27 +90,29 @@ def _exact_forward_kernel(
 ):
     """Output rows of chunk i for query head h of batch b. qk_scale = log2(e)/√D: scores and the running
     maximum are in log2 units, so every exponential is an exp2."""
-    h, i, b = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    h, i, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     hk = h // GROUPS
     r, d, e = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BDV)
     t = i * C + r
+    rows = (i * C).to(tl.int64)  # the chunk's first token (base pointers in 64 bits, tile offsets in 32)
     qmask = ((r < C) & (t < N))[:, None] & (d < D)[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqn + d[None, :], mask=qmask, other=0.0)
+    q = tl.load(Q + b * sqb + h * sqh + rows * sqn + r[:, None] * sqn + d[None, :], mask=qmask, other=0.0)
 
     shift = tl.zeros((BC,), tl.float32)  # the row's largest window score so far, at least 0 (log2 units)
     den = tl.zeros((BC,), tl.float32)
     acc = tl.zeros((BC, BDV), tl.float32)
-    mix_row = MIX + h * smh + i * M
+    mix_row = MIX + h * smh + i.to(tl.int64) * M
     for delta in range(L):  # chunks i − L + 1 … i; those before chunk 0 have no keys
         j = i - L + 1 + delta
         w = tl.load(mix_row + j, mask=j >= 0, other=0.0).to(tl.float32)
         s = j * C + r
+        keys = (j * C).to(tl.int64)
         # a chunk of weight 0 (and one before chunk 0) has no keys: left out of the shift as of the sums
         kvalid = (r < C) & (s >= 0) & (s < tl.where(w > 0, N, 0))
         if MASKED:
-            kvalid &= tl.load(KM + b * smb + s, mask=kvalid, other=0) != 0
-        kt = tl.load(K + b * skb + hk * skh + s[None, :] * skn + d[:, None], mask=kvalid[None, :] & (d < D)[:, None],
-                     other=0.0)  # (BD, BC)
+            kvalid &= tl.load(KM + b * smb + keys + r, mask=kvalid, other=0) != 0
+        kt = tl.load(K + b * skb + hk * skh + keys * skn + r[None, :] * skn + d[:, None],
+                     mask=kvalid[None, :] & (d < D)[:, None], other=0.0)  # (BD, BC)
         scores = tl.dot(_operand(q, q.dtype, WIDEN), _operand(kt, kt.dtype, WIDEN), input_precision=DOT_PREC)
         scores *= qk_scale
         allowed = kvalid[None, :] & (s[None, :] <= t[:, None])
@@ -116,8 +120,8 @@ def _exact_forward_kernel(
         new = tl.maximum(shift, tl.max(scores, 1))
         alpha = tl.exp2(shift - new)
         p = tl.exp2(scores - new[:, None])
-        v = tl.load(V + b * svb + hk * svh + s[:, None] * svn + e[None, :], mask=kvalid[:, None] & (e < DV)[None, :],
-                    other=0.0)
+        v = tl.load(V + b * svb + hk * svh + keys * svn + r[:, None] * svn + e[None, :],
+                    mask=kvalid[:, None] & (e < DV)[None, :], other=0.0)
         den = den * alpha + w * tl.sum(p, 1)
         pv = tl.dot(_operand(p, v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
         acc = acc * alpha[:, None] + w * pv
@@ -126,7 +130,7 @@ def _exact_forward_kernel(
     decay = tl.exp2(-shift)  # exp(−shift) of the natural-log scores
     if i >= L:  # far chunks j ≤ i − L: the mixed summaries, row i − L of SF
         fq = _phi(q.to(tl.float32), PHI)  # (φ(0) of padded columns meets the zero rows of S̃ past D)
-        row = SF + b * sfb + (h // FAR_GROUPS) * sfh + (i - L) * sfj
+        row = SF + b * sfb + (h // FAR_GROUPS) * sfh + (i - L).to(tl.int64) * sfj
         sf = tl.load(row + d[:, None] * DV + e[None, :], mask=(d < D)[:, None] & (e < DV)[None, :], other=0.0)
         zf = tl.load(row + D * DV + d, mask=d < D, other=0.0).to(tl.float32)
         num = tl.dot(_operand(fq, sf.dtype, WIDEN), _operand(sf, sf.dtype, WIDEN), input_precision=DOT_PREC)
@@ -134,7 +138,8 @@ def _exact_forward_kernel(
         den += tl.sum(fq * zf[None, :], 1) * (scale * decay)
     out = acc / (den + eps * decay)[:, None]
     omask = ((r < C) & (t < N))[:, None] & (e < DV)[None, :]
-    tl.store(O + b * sob + h * soh + t[:, None] * son + e[None, :], out.to(O.dtype.element_ty), mask=omask)
+    tl.store(O + b * sob + h * soh + rows * son + r[:, None] * son + e[None, :], out.to(O.dtype.element_ty),
+             mask=omask)
 
 
 def interpreting() -> bool:
@@ -189,9 +194,10 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale
     masked = key_mask is not None
     km = _rows(key_mask).view(torch.uint8) if masked else q  # (a pointer the kernels never read when unmasked)
     half = q.dtype != torch.float32
+    warps, stages = LAUNCH[_p2(max(dim, dv))]
     consts = dict(D=dim, DV=dv, BC=_p2(c), BD=_p2(dim), BDV=_p2(dv), PHI=_PHI_IDS[id(phi)], MASKED=masked,
-                  DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(),
-                  num_warps=WARPS[_p2(max(dim, dv))])
+                  DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(), num_warps=warps,
+                  num_stages=stages)
     o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device)
 
     far_rows = m - chunks  # chunks that some query reads as far, and queries' chunks that read far ones
