@@ -22,13 +22,14 @@ step() {  # step FILE COMMAND...: run COMMAND, its stdout and stderr to FILE
     > "$out/gpu_tests.txt" 2>&1 || failed=1
 workers=()
 "$py" -c "import xdist" > /dev/null 2>&1 && workers=(-n 8)
-echo "== pytest tests/test_kernels.py tests/test_layer.py >> gpu_tests.txt"
-"$py" -m pytest -q ${workers[@]+"${workers[@]}"} -rf -p no:cacheprovider tests/test_kernels.py tests/test_layer.py \
-    >> "$out/gpu_tests.txt" 2>&1 || { echo "   failed"; failed=1; }
+echo "== pytest tests/test_kernels.py tests/test_exact_triton.py tests/test_layer.py >> gpu_tests.txt"
+"$py" -m pytest -q ${workers[@]+"${workers[@]}"} -rf -p no:cacheprovider tests/test_kernels.py \
+    tests/test_exact_triton.py tests/test_layer.py >> "$out/gpu_tests.txt" 2>&1 || { echo "   failed"; failed=1; }
 
 step kernel_breakdown.txt "$py" benchmarks/kernel_breakdown.py
 step attention_op.log "$py" benchmarks/attention_op.py --out "$out/attention_op"
 step decode_step.txt "$py" benchmarks/decode_step.py
+step exact_prefill.txt "$py" benchmarks/exact_prefill.py
 step host_overhead.txt "$py" benchmarks/host_overhead.py
 : > "$out/whole_models.txt"
 for model in wan-layer sana wan; do

@@ -16,6 +16,7 @@ from mhla_convert.families import adapter_for_model, families
 from mhla_convert.layer import MHLAConfig, MHLAttention
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import BlockLayout, init_state, mhla_attention, mhla_attention_reference, mhla_recurrent_step
+from mhla_convert.ops.exact_local import exact_attention_op
 from mhla_convert.ops.mhla import attention_op
 from mhla_convert.ops.recurrent import recurrent_step_op
 
@@ -66,9 +67,12 @@ def _main(out):
     return out.sample if hasattr(out, "sample") else out.logits
 
 
+OPS = (torch.ops.mhla_convert.attention.default, torch.ops.mhla_convert.recurrent_step.default,
+       torch.ops.mhla_convert.exact_attention.default)
+
+
 def _op_count(gm) -> int:
-    return sum(node.target in (torch.ops.mhla_convert.attention.default, torch.ops.mhla_convert.recurrent_step.default)
-               for node in gm.graph.nodes)
+    return sum(node.target in OPS for node in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -78,9 +82,8 @@ def test_converted_model_traces_without_graph_breaks(name, tiny):
         explained = torch._dynamo.explain(model)(**inputs)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
     assert explained.graph_count == 1
-    # every converted layer is one custom-op node, but for LMs' exact local chunks, which are plain torch code
-    linear = [layer for _, layer in mhla_convert.mhla_layers(model) if not layer.config.exact_chunks]
-    assert sum(_op_count(g) for g in explained.graphs) == len(linear)
+    # every converted layer is one custom-op node (LMs' exact local chunks too)
+    assert sum(_op_count(g) for g in explained.graphs) == len(list(mhla_convert.mhla_layers(model)))
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -278,6 +281,36 @@ def test_attention_op_triton_interpreted(name):
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all-keys", "key-mask"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_exact_attention_op_opcheck_and_gradcheck(per_head, masked):
+    """The exact-local-chunks op (GQA, a partial last chunk, 2 exact chunks): opcheck, the parallel form's value
+    and gradients through the backward op, float64 gradcheck."""
+    torch.manual_seed(0)
+
+    def args(batch, dtype):
+        n, chunk = 11, 3
+        layout = BlockLayout.chunked(n, chunk)
+        q, k, v = (torch.randn(batch, n, h, 4, dtype=dtype) for h in (4, 2, 2))
+        mixing = torch.rand(*((4,) if per_head else ()), 4, 4, dtype=dtype).tril() + 0.1
+        key_mask = (torch.arange(n) >= 2).expand(batch, n).contiguous() if masked else None
+        options = [list(layout.grid), list(layout.blocks), list(layout.block_size), 2, "elu", 0.5, 1e-6, "torch"]
+        return [t.requires_grad_() for t in (q, k, v, mixing)], key_mask, options
+
+    tensors, key_mask, options = args(2, torch.float32)
+    torch.library.opcheck(exact_attention_op, (*tensors, key_mask, *options))
+    tensors, key_mask, options = args(2, torch.float64)
+    out = exact_attention_op(*tensors, key_mask, *options)
+    want = mhla_attention(*tensors, causal=True, chunk_size=3, exact_chunks=2, feature_map="elu", scale=0.5,
+                          key_mask=key_mask, backend="torch")
+    torch.testing.assert_close(out, want)
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, tensors, grad), torch.autograd.grad(want, tensors, grad)):
+        torch.testing.assert_close(g, w)
+    small, key_mask, options = args(1, torch.float64)
+    assert torch.autograd.gradcheck(lambda *t: exact_attention_op(*t, key_mask, *options), small, fast_mode=True)
 
 
 # (prefix length, chunk size, window, H, H_kv, D, Dv, per-head relative, normalize, feature map)

@@ -17,3 +17,5 @@ __all__ = [
     "mhla_attention_triton", "mhla_recurrent_step_triton", "norm_rotate_supports", "norm_rotate_triton",
     "norm_rotate_unsupported_reason", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason",
 ]
+
+from . import exact_triton  # noqa: E402, F401  (registers the "exact" op's triton backend)

@@ -10,7 +10,10 @@ Operators and their implementation signatures:
   backward(do, q, k, v, mixing, layout, *, causal, phi, normalize, scale, eps, needs_grad) → (dq, dk, dv, dmixing);
 - "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
   supports(state, q, k, v, relative, *, phi);
-- "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm).
+- "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm);
+- "exact" (causal attention with exact local chunks): `ops.exact_local.mhla_attention_exact_local_torch`;
+  supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask); an optional
+  backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary")
+OPS = ("attention", "step", "rotary", "exact")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _logged: set[tuple] = set()

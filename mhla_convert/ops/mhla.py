@@ -6,7 +6,8 @@ Semantics (paper §4, App. C), the contract every backend must meet:
     o_t  = Σ_s w_ts v_s / (Σ_s w_ts + eps)                  (no denominator if normalize=False)
 
 Under torch.compile the operator is one custom op, `torch.ops.mhla_convert.attention` (see
-`attention_op`), so a converted model traces whole whatever backend runs inside it.
+`attention_op`; with exact local chunks `torch.ops.mhla_convert.exact_attention`), so a converted model
+traces whole whatever backend runs inside it.
 
 The torch path never forms w: it builds one key–value summary per block (S_b = Σ φ(k) vᵀ,
 z_b = Σ φ(k)), mixes them with one GEMM (S̃_i = Σ_b m_ib S_b) and reads each query out against its
@@ -25,7 +26,7 @@ import torch
 
 from .blocks import BlockLayout, as_axes
 from .dispatch import available_backends, backward_of, select
-from .exact_local import mhla_attention_exact_local_torch
+from .exact_local import exact_attention
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
 from .library import grads_by_recompute
 
@@ -122,7 +123,7 @@ def mhla_attention(
         scale: multiplies φ(q)·φ(k); default D ** -0.5.
         exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read
             with the softmax kernel exp(q·k / √D) instead of φ(q)·φ(k) (`ops.exact_local`); 0 = pure MHLA.
-            Always normalised; torch backend.
+            Always normalised.
         key_mask: (B, N) bool, False for padding: those keys get weight 0 (built-in feature maps).
         backend: "torch", "triton" or "auto" (fastest available for these inputs).
 
@@ -139,8 +140,8 @@ def mhla_attention(
     if exact_chunks:
         if not causal or not normalize or exact_chunks < 0:
             raise ValueError(f"exact_chunks={exact_chunks} needs causal=True, normalize=True and a count ≥ 0")
-        return mhla_attention_exact_local_torch(
-            q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
+        return exact_attention(q, k, v, mixing, layout, exact_chunks=exact_chunks, feature_map=feature_map, phi=phi,
+                               scale=scale, eps=eps, key_mask=key_mask, backend=backend)
     k = drop_keys(k, key_mask)
     if torch.compiler.is_compiling() and isinstance(feature_map, str):
         return attention_op(q, k, v, mixing, layout.grid, layout.blocks, layout.block_size, causal, feature_map,

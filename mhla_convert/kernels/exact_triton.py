@@ -1,0 +1,273 @@
+"""The Triton backend of causal MHLA with exact local chunks (`ops.exact_local`; the torch path there is the
+reference these kernels are tested against).
+
+Forward, three launches:
+1. summaries: S_j = Σ φ(k)ᵀ v and z_j = Σ φ(k) per (batch, kv head, chunk j), one row of D·Dv + D columns, for
+   the chunks some query reads as far (j < M − L);
+2. the far mixture S̃_i = Σ_{j ≤ i−L} m_ij S_j (and z̃), one torch GEMM over those rows (per query head when the
+   mixing is per head, else per kv head), for the chunks i ≥ L that have far chunks;
+3. one fused program per (query head, chunk i, batch): the window's softmax kernel flash-style over chunks
+   i − L + 1 … i (causal within chunk i; chunks of zero weight and keys of `key_mask` False left out), with the
+   running row maximum starting at 0 as the shift, plus φ(q)·scale·S̃_i and its normaliser scaled by exp(−shift),
+   divided and written in q's dtype.
+
+No (N × window) score matrix reaches global memory: the window's scores live in registers, one C × C tile at a
+time. Accumulation is float32; the summaries and their mixture are bfloat16 for bfloat16 inputs (a matmul
+operand, as in the linear backend's inference; half the bytes of a float32 row), float32 otherwise (float16's
+range would not hold a mixture over thousands of chunks).
+
+Importing this module registers the backend (as "triton" of the op "exact" of `ops.dispatch`).
+Training: the forward runs these kernels and the backward runs the torch path again under `torch.func.vjp`
+(`mhla_attention_exact_triton_backward`), so no activation is kept between them but the inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops.blocks import BlockLayout
+from ..ops.dispatch import register
+from ..ops.exact_local import mhla_attention_exact_local_torch
+from ..ops.feature_maps import FEATURE_MAPS
+from ..ops.library import grads_by_recompute
+from .mhla_kernels import _phi
+
+_PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128  # a (D, Dv) summary tile and a (C, Dv) accumulator live in registers
+MAX_CHUNK = 128  # a chunk is one tile of queries and one of keys
+# (warps, pipeline stages) per program by the widest head dim tile, from sm_90 compiles of the bf16 kernels: at 64,
+# 4 warps take ~220 registers a thread (two programs per SM) and do not spill; at 128, 4 warps spill and 8 do not.
+# Two stages prefetch the next window chunk (the loop runs L times: a third stage would only take shared memory).
+# Fixed rather than autotuned, which would time every candidate at each new shape inside a model's first forward.
+LAUNCH = {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 2)}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
+
+
+@triton.jit
+def _operand(x, dtype: tl.constexpr, WIDEN: tl.constexpr):
+    """x rounded to the product's operand dtype; WIDEN: then back to float32, for the interpreter, whose tile
+    products read bfloat16 operands wrongly (the same products, in float32 arithmetic)."""
+    x = x.to(dtype)
+    return x.to(tl.float32) if WIDEN else x
+
+
+@triton.jit
+def _exact_summaries_kernel(
+    K, V, KM, S, skb, skn, skh, svb, svn, svh, smb, ssb, ssh, ssj, N, C,
+    D: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """Row S[b, hk, j] = (Σ φ(k)ᵀ v row major, Σ φ(k)) over chunk j's tokens (masked keys left out).
+    (Base pointers in 64-bit scalars, offsets within a tile in 32 bits: fewer registers than 64-bit tiles.)"""
+    hk, j, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    r, d, e = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BDV)
+    first = (j * C).to(tl.int64)
+    valid = (r < C) & (j * C + r < N)
+    if MASKED:
+        valid &= tl.load(KM + b * smb + first + r, mask=valid, other=0) != 0
+    kmask = valid[:, None] & (d < D)[None, :]
+    k = tl.load(K + b * skb + hk * skh + first * skn + r[:, None] * skn + d[None, :], mask=kmask, other=0.0)
+    fk = tl.where(kmask, _phi(k.to(tl.float32), PHI), 0.0)
+    v = tl.load(V + b * svb + hk * svh + first * svn + r[:, None] * svn + e[None, :],
+                mask=valid[:, None] & (e < DV)[None, :], other=0.0)
+    kv = tl.dot(_operand(tl.trans(fk), v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
+    row = S + b * ssb + hk * ssh + j.to(tl.int64) * ssj
+    tl.store(row + d[:, None] * DV + e[None, :], kv.to(S.dtype.element_ty), mask=(d < D)[:, None] & (e < DV)[None, :])
+    tl.store(row + D * DV + d, tl.sum(fk, 0).to(S.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _exact_forward_kernel(
+    Q, K, V, KM, MIX, SF, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, smb, sob, son, soh, smh, sfb, sfh, sfj,
+    N, M, C, GROUPS, FAR_GROUPS, qk_scale, scale, eps, L: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """Output rows of chunk i for query head h of batch b. qk_scale = log2(e)/√D: scores and the running
+    maximum are in log2 units, so every exponential is an exp2."""
+    h, i, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    hk = h // GROUPS
+    r, d, e = tl.arange(0, BC), tl.arange(0, BD), tl.arange(0, BDV)
+    t = i * C + r
+    rows = (i * C).to(tl.int64)  # the chunk's first token (base pointers in 64 bits, tile offsets in 32)
+    qmask = ((r < C) & (t < N))[:, None] & (d < D)[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + rows * sqn + r[:, None] * sqn + d[None, :], mask=qmask, other=0.0)
+
+    shift = tl.zeros((BC,), tl.float32)  # the row's largest window score so far, at least 0 (log2 units)
+    den = tl.zeros((BC,), tl.float32)
+    acc = tl.zeros((BC, BDV), tl.float32)
+    mix_row = MIX + h * smh + i.to(tl.int64) * M
+    for delta in range(L):  # chunks i − L + 1 … i; those before chunk 0 have no keys
+        j = i - L + 1 + delta
+        w = tl.load(mix_row + j, mask=j >= 0, other=0.0).to(tl.float32)
+        s = j * C + r
+        keys = (j * C).to(tl.int64)
+        # a chunk of weight 0 (and one before chunk 0) has no keys: left out of the shift as of the sums
+        kvalid = (r < C) & (s >= 0) & (s < tl.where(w > 0, N, 0))
+        if MASKED:
+            kvalid &= tl.load(KM + b * smb + keys + r, mask=kvalid, other=0) != 0
+        kt = tl.load(K + b * skb + hk * skh + keys * skn + r[None, :] * skn + d[:, None],
+                     mask=kvalid[None, :] & (d < D)[:, None], other=0.0)  # (BD, BC)
+        scores = tl.dot(_operand(q, q.dtype, WIDEN), _operand(kt, kt.dtype, WIDEN), input_precision=DOT_PREC)
+        scores *= qk_scale
+        allowed = kvalid[None, :] & (s[None, :] <= t[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+        new = tl.maximum(shift, tl.max(scores, 1))
+        alpha = tl.exp2(shift - new)
+        p = tl.exp2(scores - new[:, None])
+        v = tl.load(V + b * svb + hk * svh + keys * svn + r[:, None] * svn + e[None, :],
+                    mask=kvalid[:, None] & (e < DV)[None, :], other=0.0)
+        den = den * alpha + w * tl.sum(p, 1)
+        pv = tl.dot(_operand(p, v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + w * pv
+        shift = new
+
+    decay = tl.exp2(-shift)  # exp(−shift) of the natural-log scores
+    if i >= L:  # far chunks j ≤ i − L: the mixed summaries, row i − L of SF
+        fq = _phi(q.to(tl.float32), PHI)  # (φ(0) of padded columns meets the zero rows of S̃ past D)
+        row = SF + b * sfb + (h // FAR_GROUPS) * sfh + (i - L).to(tl.int64) * sfj
+        sf = tl.load(row + d[:, None] * DV + e[None, :], mask=(d < D)[:, None] & (e < DV)[None, :], other=0.0)
+        zf = tl.load(row + D * DV + d, mask=d < D, other=0.0).to(tl.float32)
+        num = tl.dot(_operand(fq, sf.dtype, WIDEN), _operand(sf, sf.dtype, WIDEN), input_precision=DOT_PREC)
+        acc += num * (scale * decay)[:, None]
+        den += tl.sum(fq * zf[None, :], 1) * (scale * decay)
+    out = acc / (den + eps * decay)[:, None]
+    omask = ((r < C) & (t < N))[:, None] & (e < DV)[None, :]
+    tl.store(O + b * sob + h * soh + rows * son + r[:, None] * son + e[None, :], out.to(O.dtype.element_ty),
+             mask=omask)
+
+
+def interpreting() -> bool:
+    return _INTERPRET
+
+
+def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, phi, key_mask=None) -> str | None:
+    """Why these inputs need the torch path, or None when the kernels take them."""
+    if id(phi) not in _PHI_IDS:
+        return "a callable feature map (kernels know 'relu' and 'elu')"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
+    if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
+        return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    devices = {t.device for t in (q, k, v, mixing, key_mask) if t is not None}
+    if len(devices) > 1:  # (the launches pass bare addresses)
+        return f"tensors on several devices ({', '.join(sorted(map(str, devices)))})"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MAX_HEAD_DIM}"
+    if layout.tokens_per_block > MAX_CHUNK:
+        return f"chunks of {layout.tokens_per_block} tokens > {MAX_CHUNK}"
+    return None
+
+
+def supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask=None) -> bool:
+    """For backend "auto": CUDA inputs the kernels take (the interpreter is only for backend="triton")."""
+    return q.is_cuda and unsupported_reason(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi,
+                                            key_mask=key_mask) is None
+
+
+def _p2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _new(*shape, dtype, device) -> torch.Tensor:
+    """A buffer the kernels fill whole (tests fill it with NaN first)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale: float, eps: float, key_mask):
+    """The three launches of the module doc → output (B, N, H, Dv) in q's dtype."""
+    batch, n, heads, dim = q.shape
+    kv_heads, dv = k.shape[2], v.shape[-1]
+    groups, m, c, chunks = heads // kv_heads, layout.num_blocks, layout.tokens_per_block, exact_chunks
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    per_head = mixing.dim() == 3
+    mix = mixing.to(torch.float32).contiguous()
+    masked = key_mask is not None
+    km = _rows(key_mask).view(torch.uint8) if masked else q  # (a pointer the kernels never read when unmasked)
+    half = q.dtype != torch.float32
+    warps, stages = LAUNCH[_p2(max(dim, dv))]
+    consts = dict(D=dim, DV=dv, BC=_p2(c), BD=_p2(dim), BDV=_p2(dv), PHI=_PHI_IDS[id(phi)], MASKED=masked,
+                  DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(), num_warps=warps,
+                  num_stages=stages)
+    o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device)
+
+    far_rows = m - chunks  # chunks that some query reads as far, and queries' chunks that read far ones
+    if far_rows > 0:
+        cols = dim * dv + dim
+        dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        # rows laid out so that the mixture is one GEMM: (M', B·H_kv·cols) shared, (H_kv, M', B·cols) per head
+        shape = (kv_heads, far_rows, batch, cols) if per_head else (far_rows, batch, kv_heads, cols)
+        s = _new(*shape, dtype=dtype, device=q.device)
+        s_strides = (cols, far_rows * batch * cols, batch * cols) if per_head else (kv_heads * cols, cols, s.stride(0))
+        _exact_summaries_kernel[(kv_heads, far_rows, batch)](
+            k, v, km, s, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0),
+            *s_strides, n, c, **consts)
+        far = mix[..., chunks:, :far_rows].tril().to(dtype)  # m_{i, j} for i − L ≥ j, row i − L
+        if per_head:  # (H_kv, g·M', M') @ (H_kv, M', B·cols) → per query head (H, M', B, cols)
+            sf = torch.bmm(far.view(kv_heads, groups * far_rows, far_rows), s.view(kv_heads, far_rows, -1))
+            far_groups = 1
+        else:
+            sf = far @ s.view(far_rows, -1)
+            far_groups = groups
+        del s
+        sf_strides = s_strides
+    else:
+        sf, sf_strides, far_groups = o, (0, 0, 0), 1
+    _exact_forward_kernel[(heads, m, batch)](
+        q, k, v, km, mix, sf, o, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), km.stride(0), o.stride(0), o.stride(1), o.stride(2),
+        m * m if per_head else 0, *sf_strides, n, m, c, groups, far_groups, 1.4426950408889634 * dim**-0.5,
+        scale, eps, L=chunks, **consts)
+    return o
+
+
+class _ExactFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, key_mask, options):
+        ctx.options = options
+        ctx.save_for_backward(q, k, v, mixing, key_mask)
+        return _forward(q, k, v, mixing, *options, key_mask)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, mixing, key_mask = ctx.saved_tensors
+        layout, exact_chunks, phi, scale, eps = ctx.options
+        needs = ctx.needs_input_grad[:4]
+        grads = mhla_attention_exact_triton_backward(do, q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi,
+                                                     scale=scale, eps=eps, needs_grad=needs, key_mask=key_mask)
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None)
+
+
+def mhla_attention_exact_triton(q, k, v, mixing, layout: BlockLayout, *, exact_chunks, phi, scale, eps,
+                                key_mask=None):
+    """The Triton backend (same contract as `ops.exact_local.mhla_attention_exact_local_torch`)."""
+    reason = unsupported_reason(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, key_mask=key_mask)
+    if reason is not None:
+        raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
+    options = (layout, exact_chunks, phi, scale, eps)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
+        return _ExactFunction.apply(q, k, v, mixing, key_mask, options)
+    return _forward(q, k, v, mixing, *options, key_mask)
+
+
+def mhla_attention_exact_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_chunks, phi, scale, eps,
+                                         needs_grad, key_mask=None):
+    """(dq, dk, dv, dmixing) from the inputs alone: the torch path again under `torch.func.vjp` (zeros where
+    `needs_grad` is False)."""
+    def torch_path(q, k, v, mixing):
+        return (mhla_attention_exact_local_torch(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi,
+                                                 scale=scale, eps=eps, key_mask=key_mask),)
+
+    return grads_by_recompute(torch_path, (q, k, v, mixing), (do,), needs_grad)
+
+
+register("exact", "triton", mhla_attention_exact_triton, supports, mhla_attention_exact_triton_backward)
