@@ -23,8 +23,8 @@ class Launch(NamedTuple):
     tokens: int | None = None  # token tile (non-causal); None: `Settings.tile_tokens`
 
 
-# 4 warps, 2 stages for tiles of at most 64 columns (72 = 64 + 16): no more warps needed, and the fewer stages
-# leave shared memory for more programs per SM
+# 4 warps, 2 stages: the fewer stages leave shared memory for more programs per SM, and column parts of at most
+# 64 (72 = 64 + 16) need no more warps
 _NARROW = Launch(4, 2)
 
 
@@ -38,7 +38,7 @@ def _launches() -> dict[str, dict[int, Launch]]:
         # no accumulator across tiles: a register cap and 32-token tiles give 4 programs per SM at D = 128 (a few
         # bytes spill) and 3 at D = 72
         "bwd_queries": {128: Launch(4, 1, 128, 32), 72: Launch(4, 1, 168, 32)},
-        # dS̃ (the summaries kernel, weighted): as the summaries, in 32-token tiles at D = 128 for the weight rows
+        # dS̃ (the summaries kernel, weighted): as the summaries, 2 programs per SM at D = 128
         "bwd_summaries": {128: Launch(8, 3, 128, 32), 72: Launch(4, 3), 64: _NARROW},
         # dk and dv beside dS: 8 warps under a 128-register cap (2 programs per SM) over 64-token tiles
         "bwd_keys": {128: Launch(8, 2, 128, 64), 72: Launch(8, 2, 128, 64)},
@@ -46,7 +46,8 @@ def _launches() -> dict[str, dict[int, Launch]]:
 
 
 def _causal_launches() -> dict[str, dict[int, Launch]]:
-    """Per launch and head dim, causal: a token tile is a whole chunk (no token tile or register cap to choose)."""
+    """Per launch and head dim, causal: a token tile is a whole chunk (no token tile to choose); the
+    summaries-shaped launches take `_NARROW`."""
     narrow = {dim: _NARROW for dim in (128, 72, 64)}
     return {"summaries": narrow, "readout": narrow, "bwd_summaries": narrow}
 
@@ -54,7 +55,7 @@ def _causal_launches() -> dict[str, dict[int, Launch]]:
 def _mix_sweep() -> dict[tuple[int, str], tuple[int, int, int, int]]:
     """(BM, operand) -> (column tile, warps, stages, programs per SM) of the one-tile mixing kernel."""
     return {
-        # inference's half summaries: the widest column tile that fits beside the mixing weights
+        # inference's half summaries (half the bytes per column of float32 ones: the widest column tiles)
         (128, "half"): (128, 8, 3, 1), (64, "half"): (64, 4, 3, 2),
         # training's float32 summaries: their tiles take twice the room of half ones
         (128, "float"): (64, 8, 3, 1),
@@ -74,7 +75,8 @@ class Settings:
     max_head_dim: int = 128
     # largest causal chunk: a chunk is one token tile, its masked C x C product in registers
     max_chunk: int = 128
-    # token tile of the non-causal token-row kernels: the largest that keeps 2 or more programs per SM at D = 128
+    # token tile of the non-causal token-row kernels: large enough for tensor-core tile products, small enough
+    # that its operand tiles fit beside the (D, Dv) accumulator
     tile_tokens: int = 64
     # warps per program: 4 for the token-row kernels, the decoding step and the rotary op; 8 where a head dim's
     # tile is 128 columns wide (D > 64), whose (D, Dv) accumulator needs the registers of 8 warps
