@@ -235,7 +235,7 @@ def test_cuda_lm_shapes_bf16(heads, kv_heads, dim, per_head):
     exact = mhla_attention(q.double(), k.double(), v.double(), mixing.double(), backend="torch", **kw)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert _rel(got, want) < 1e-2
-    assert _rel(got, exact) < 1.5 * _rel(want, exact) + 1e-3
+    assert _rel(got, exact) < 2 * _rel(want, exact) + 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
 
 
