@@ -405,10 +405,15 @@ def table(rows: list[dict], runs: list[dict]) -> str:
               "| model | variant | prompt | batch | prefill ms | prefill x | decode ms/step | decode tok/s | decode x "
               "| prefill peak GiB | peak GiB | peak ratio | cache MiB | wall/gpu (profiler) | wall/gpu (held) | note |",
               "|" + "---|" * 16]
-    originals = {(r["model"], r["prompt"], r["batch"], r["new_tokens"], r["tiny"]): r
-                 for r in rows if r["variant"] == "original" and not r.get("error")}
+    # each variant against the original measured in the same run (process) where there is one
+    originals = {}
     for r in rows:
-        base = originals.get((r["model"], r["prompt"], r["batch"], r["new_tokens"], r["tiny"]))
+        if r["variant"] == "original" and not r.get("error"):
+            shape = (r["model"], r["prompt"], r["batch"], r["new_tokens"], r["tiny"])
+            originals[(r["run"], *shape)] = originals[shape] = r
+    for r in rows:
+        shape = (r["model"], r["prompt"], r["batch"], r["new_tokens"], r["tiny"])
+        base = originals.get((r["run"], *shape), originals.get(shape))
         if r.get("error"):
             lines.append(f"| {r['model']} | {r['variant']} | {r['prompt']} | {r['batch']} |" + " |" * 11
                          + f" {r['error'].splitlines()[0][:200]} |")
