@@ -23,8 +23,6 @@ Training: the forward runs these kernels and the backward runs the torch path ag
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,20 +30,18 @@ import triton.language as tl
 from ..ops.blocks import BlockLayout
 from ..ops.dispatch import register
 from ..ops.exact_local import mhla_attention_exact_local_torch
-from ..ops.feature_maps import FEATURE_MAPS
 from ..ops.library import grads_by_recompute
+from . import settings
 from .mhla_kernels import _phi
-
-_PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 128  # a (D, Dv) summary tile and a (C, Dv) accumulator live in registers
-MAX_CHUNK = 128  # a chunk is one tile of queries and one of keys
-# (warps, pipeline stages) per program by the widest head dim tile, from sm_90 compiles of the bf16 kernels: at 64,
-# 4 warps take ~220 registers a thread (two programs per SM) and do not spill; at 128, 4 warps spill and 8 do not.
-# Two stages prefetch the next window chunk (the loop runs L times: a third stage would only take shared memory).
-# Fixed rather than autotuned, which would time every candidate at each new shape inside a model's first forward.
-LAUNCH = {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 2)}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
+from .mhla_triton import (
+    _PHI_IDS,
+    _new,
+    _p2,
+    device_reason,
+    head_dims_reason,
+    interpreting,
+    qkv_reason,
+)
 
 
 @triton.jit
@@ -142,25 +138,19 @@ def _exact_forward_kernel(
              mask=omask)
 
 
-def interpreting() -> bool:
-    return _INTERPRET
-
-
 def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, phi, key_mask=None) -> str | None:
     """Why these inputs need the torch path, or None when the kernels take them."""
-    if id(phi) not in _PHI_IDS:
-        return "a callable feature map (kernels know 'relu' and 'elu')"
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
-    if not (q.is_cuda or (q.device.type == "cpu" and interpreting())):
-        return f"device {q.device} (CUDA, or the CPU under TRITON_INTERPRET=1)"
+    reason = qkv_reason(q, k, v, phi) or device_reason(q)
+    if reason:
+        return reason
     devices = {t.device for t in (q, k, v, mixing, key_mask) if t is not None}
-    if len(devices) > 1:  # (the launches pass bare addresses)
+    if len(devices) > 1:  # (named here, not as a pointer error of Triton's)
         return f"tensors on several devices ({', '.join(sorted(map(str, devices)))})"
-    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        return f"head dims {q.shape[-1]}/{v.shape[-1]} > {MAX_HEAD_DIM}"
-    if layout.tokens_per_block > MAX_CHUNK:
-        return f"chunks of {layout.tokens_per_block} tokens > {MAX_CHUNK}"
+    reason = head_dims_reason(q, v)
+    if reason:
+        return reason
+    if layout.tokens_per_block > settings.SETTINGS.max_chunk:
+        return f"chunks of {layout.tokens_per_block} tokens > {settings.SETTINGS.max_chunk}"
     return None
 
 
@@ -170,17 +160,8 @@ def supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask=None) -> bo
                                             key_mask=key_mask) is None
 
 
-def _p2(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _new(*shape, dtype, device) -> torch.Tensor:
-    """A buffer the kernels fill whole (tests fill it with NaN first)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale: float, eps: float, key_mask):
@@ -194,7 +175,7 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale
     masked = key_mask is not None
     km = _rows(key_mask).view(torch.uint8) if masked else q  # (a pointer the kernels never read when unmasked)
     half = q.dtype != torch.float32
-    warps, stages = LAUNCH[_p2(max(dim, dv))]
+    warps, stages = settings.SETTINGS.exact_launches[_p2(max(dim, dv))]
     consts = dict(D=dim, DV=dv, BC=_p2(c), BD=_p2(dim), BDV=_p2(dv), PHI=_PHI_IDS[id(phi)], MASKED=masked,
                   DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(), num_warps=warps,
                   num_stages=stages)

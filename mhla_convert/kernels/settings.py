@@ -1,11 +1,12 @@
 """Launch settings of the Triton kernels: tile sizes, warps, stages and the thresholds that pick a kernel.
 
-One table, `SETTINGS`, read at each launch by `mhla_triton` (attention), `recurrent_triton` (the decoding step)
-and `rotary_triton` (norm + rotary). The token-row kernels are limited by latency rather than bandwidth: a
-(D, Dv) float32 accumulator per program leaves room for few programs per SM, so most settings trade tile size
-against programs per SM. A program takes maxnreg x 32 x warps of an SM's 64K registers: 8 warps at 128
-registers fit 2 programs per SM, 4 warps at 128 fit 4, 4 warps at 168 fit 3. Tests replace the table
-(`dataclasses.replace`) to reach a kernel on small shapes.
+One table, `SETTINGS`, read at each launch by `mhla_triton` (attention), `exact_triton` (attention with exact
+local chunks), `recurrent_triton` (the decoding step) and `rotary_triton` (norm + rotary). Settings are fixed
+rather than autotuned, which would time every candidate at each new shape inside a model's first forward.
+The token-row kernels are limited by latency rather than bandwidth: a (D, Dv) float32 accumulator per program
+leaves room for few programs per SM, so most settings trade tile size against programs per SM. A program takes
+maxnreg x 32 x warps of an SM's 64K registers: 8 warps at 128 registers fit 2 programs per SM, 4 warps at 128
+fit 4, 4 warps at 168 fit 3. Tests replace the table (`dataclasses.replace`) to reach a kernel on small shapes.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ class Settings:
     # enough that one token's work spreads over the SMs
     step_elements: int = 4096
     step_max_group: int = 8
+    # causal attention with exact local chunks (`exact_triton`): (warps, stages) by the widest head-dim tile. At 64,
+    # 4 warps take ~220 registers a thread (two programs per SM) without spilling; at 128, 4 warps spill and 8 do
+    # not. Two stages prefetch the next window chunk (the loop runs L times: a third would only take shared memory)
+    exact_launches: dict[int, tuple[int, int]] = field(
+        default_factory=lambda: {16: (4, 2), 32: (4, 2), 64: (4, 2), 128: (8, 2)})
 
 
 SETTINGS = Settings()
