@@ -154,7 +154,8 @@ def push_to_hub(directory, repo_id: str, *, private: bool | None = None, token: 
     directory = Path(directory)
     card = str(model_card(directory, repo_id)).encode()
     files = sorted(p for p in directory.rglob("*") if p.is_file() and not _hidden_or_card(p.relative_to(directory)))
-    operations = [CommitOperationAdd(p.relative_to(directory).as_posix(), p) for p in files]
+    operations = [CommitOperationAdd(p.relative_to(directory).as_posix(), _public_eval(p) if p.name == EVAL_FILE
+                                     and p.parent == directory else p) for p in files]
     operations.append(CommitOperationAdd(CARD_FILE, card))
     api = HfApi(token=token)
     try:
@@ -167,6 +168,18 @@ def push_to_hub(directory, repo_id: str, *, private: bool | None = None, token: 
             f"then push again: mhla-convert push {directory} {repo_id}"
         ) from error
     return str(url)
+
+
+def _public_eval(path: Path) -> bytes:
+    """eval.json as uploaded: the model, reference and data it names by folder name where they are local
+    paths (as the card shows a local base), so no path of this machine reaches the Hub."""
+    result = json.loads(path.read_text())
+    meta = result.get("meta", {})
+    for holder, key in ((meta, "model"), (meta, "reference"), (meta.get("data") or {}, "path")):
+        value = holder.get(key)
+        if isinstance(value, str) and (Path(value).is_absolute() or Path(value).expanduser().exists()):
+            holder[key] = Path(value).name
+    return json.dumps(result, indent=2).encode()
 
 
 def _hidden_or_card(path: Path) -> bool:

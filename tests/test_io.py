@@ -148,15 +148,23 @@ def test_push_to_hub_creates_repo_and_uploads_checkpoint_and_card_in_one_commit(
     model.mhla_source["base_model"] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     path = save_pretrained(model, tmp_path / "ckpt")
     (path / "README.md").write_text("an older card")  # replaced on the Hub, left alone here
+    (tmp_path / "latents").mkdir()
+    (path / "eval.json").write_text(json.dumps({"model": {"loss": 0.5}, "meta": {
+        "model": str(path), "reference": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "data": {"kind": "latents", "path": str(tmp_path / "latents")}}}))
     url = push_to_hub(path, "me/wan-mhla", private=True)
     assert url == "https://huggingface.co/me/wan-mhla"
     assert calls["create"] == ("me/wan-mhla", {"private": True, "exist_ok": True, "repo_type": "model"})
     repo_id, files, options = calls["commit"]
     assert repo_id == "me/wan-mhla" and options["repo_type"] == "model"
-    assert sorted(files) == ["README.md", "config.json", "mhla_config.json", "model.safetensors"]
+    assert sorted(files) == ["README.md", "config.json", "eval.json", "mhla_config.json", "model.safetensors"]
     assert files["model.safetensors"] == str(path / "model.safetensors")
     card = files["README.md"].decode()
     assert "base_model: Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in card and "library_name: mhla-convert" in card
+    uploaded_eval = json.loads(files["eval.json"])
+    assert str(tmp_path) not in files["eval.json"].decode()
+    assert uploaded_eval["meta"]["model"] == "ckpt" and uploaded_eval["meta"]["data"]["path"] == "latents"
+    assert uploaded_eval["meta"]["reference"] == "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     assert 'mhla_convert.from_pretrained("me/wan-mhla")' in card and "| converted layers | `1, 2, 4, 5` |" in card
     assert (path / "README.md").read_text() == "an older card"
 
