@@ -64,28 +64,26 @@ class TensorData(Dataset):
 
 def save_shards(batches: Iterable[dict[str, torch.Tensor]], directory: Path, meta: dict) -> None:
     """Write batches of examples ({column: (B, ...) tensor}) as one `<column>.safetensors` per
-    column into `directory`, through a temporary sibling that is renamed when complete. Columns of
-    text whose length differs between batches ((B, L) or (B, L, C)) are zero-padded to the longest."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "parts").mkdir(parents=True)
-    try:
+    column into `directory`, atomically (`io.write_atomically`: a hidden staging sibling, renamed when
+    complete, removed on failure or by the next save after a kill). Columns of text whose length
+    differs between batches ((B, L) or (B, L, C)) are zero-padded to the longest."""
+    from ..io import write_atomically
+
+    def write(staging: Path) -> None:
+        (staging / "parts").mkdir()
         parts = []
         for batch in batches:
-            parts.append(tmp / "parts" / f"{len(parts):06d}.safetensors")
+            parts.append(staging / "parts" / f"{len(parts):06d}.safetensors")
             save_file({k: v.contiguous() for k, v in batch.items()}, str(parts[-1]))
         if not parts:
             raise TrainError("the dataset is empty: add examples (or check data.path / the captions file)")
         with safe_open(parts[0], framework="pt") as first:
             names = list(first.keys())
-        rows = [_write_column(name, parts, tmp / f"{name}.safetensors") for name in names]
-        shutil.rmtree(tmp / "parts")
-        (tmp / "meta.json").write_text(json.dumps({**meta, "num_examples": rows[0]}, indent=1))
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        rows = [_write_column(name, parts, staging / f"{name}.safetensors") for name in names]
+        shutil.rmtree(staging / "parts")
+        (staging / "meta.json").write_text(json.dumps({**meta, "num_examples": rows[0]}, indent=1))
+
+    write_atomically(directory, write)
 
 
 def _write_column(name: str, parts: list[Path], path: Path) -> int:
