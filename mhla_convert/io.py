@@ -286,16 +286,17 @@ def read_mhla_config(directory) -> dict[str, Any]:
     """The conversion record: mhla_config.json, or the copy in config.json where only that came along
     (diffusers downloads a pipeline component's weights and config.json alone)."""
     path = checkpoint_dir(directory) / MHLA_CONFIG
-    config = path.with_name("config.json")
-    if not path.is_file() and config.is_file() and isinstance(read_json(config).get("mhla"), dict):
-        path, meta = config, read_json(config)["mhla"]
-    elif not path.is_file():
-        raise ValueError(
-            f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
-            f"(a base model? convert it first: `mhla-convert {directory}`)"
-        )
-    else:
+    if path.is_file():
         meta = read_json(path)
+    else:
+        config = path.with_name("config.json")
+        meta = read_json(config).get("mhla") if config.is_file() else None
+        if not isinstance(meta, dict):
+            raise ValueError(
+                f"{directory} has no {MHLA_CONFIG}, so it is not an MHLA checkpoint "
+                f"(a base model? convert it first: `mhla-convert {directory}`)"
+            )
+        path = config
     if meta.get("format_version") not in READABLE_FORMATS:
         raise ValueError(
             f"{path} has format_version {meta.get('format_version')}; this mhla-convert reads "

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import BlockLayout
-from .dispatch import backward_of, select
+from .dispatch import select
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
-from .library import grads_by_recompute
+from .library import backend_grads, empty_grads
 from .recurrent import MHLAState, advance, init_state, step_terms
 
 
@@ -150,21 +150,16 @@ def _(q, k, v, mixing, *rest):
 )
 def exact_attention_backward_op(grad, q, k, v, mixing, key_mask, needs_grad, grid, blocks, block_size, exact_chunks,
                                 feature_map, scale, eps, backend):
-    """(dq, dk, dv, dmixing) of `exact_attention_op` from the inputs alone: the backend's registered backward,
-    else its forward again under `torch.func.vjp` (zeros where `needs_grad` is False)."""
+    """(dq, dk, dv, dmixing) of `exact_attention_op` from the inputs alone (`library.backend_grads`)."""
     impl, layout, phi = _backend(q, k, v, mixing, key_mask, grid, blocks, block_size, exact_chunks, feature_map,
                                  backend)
     options = dict(exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
-    backward = backward_of(impl)
-    if backward is not None:
-        return tuple(g.contiguous() for g in backward(grad, q, k, v, mixing, layout, **options, needs_grad=needs_grad))
-    return grads_by_recompute(lambda *inputs: (impl(*inputs, layout, **options),), (q, k, v, mixing), (grad,),
-                              needs_grad)
+    return backend_grads(impl, grad, (q, k, v, mixing), layout, options, needs_grad)
 
 
 @exact_attention_backward_op.register_fake
 def _(grad, q, k, v, mixing, *rest):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, mixing))
+    return empty_grads(q, k, v, mixing)
 
 
 def _setup_exact(ctx, inputs, output):

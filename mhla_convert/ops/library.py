@@ -6,6 +6,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .dispatch import backward_of
+
 
 def grads_by_recompute(fn: Callable, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                        needs_grad: Sequence[bool]) -> tuple[torch.Tensor, ...]:
@@ -33,3 +35,19 @@ def grads_by_recompute(fn: Callable, inputs: Sequence[torch.Tensor], grads: Sequ
         else found[i].contiguous()
         for i, t in enumerate(inputs)
     )
+
+
+def backend_grads(impl: Callable, grad: torch.Tensor, inputs: Sequence[torch.Tensor], layout, options: dict,
+                  needs_grad: Sequence[bool]) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv, dmixing) of `impl(q, k, v, mixing, layout, **options)` from its inputs alone: the backend's
+    registered backward (which runs its forward again), else its forward again under `torch.func.vjp`. Where
+    `needs_grad` is False the gradient is zeros or the true one, whichever is cheaper for the backend."""
+    backward = backward_of(impl)
+    if backward is not None:
+        return tuple(g.contiguous() for g in backward(grad, *inputs, layout, **options, needs_grad=needs_grad))
+    return grads_by_recompute(lambda *xs: (impl(*xs, layout, **options),), inputs, (grad,), needs_grad)
+
+
+def empty_grads(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a backward op's fake implementation returns: one contiguous gradient per input."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs)

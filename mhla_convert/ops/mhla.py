@@ -25,10 +25,10 @@ from typing import Literal
 import torch
 
 from .blocks import BlockLayout, as_axes
-from .dispatch import available_backends, backward_of, select
+from .dispatch import available_backends, select
 from .exact_local import exact_attention
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
-from .library import grads_by_recompute
+from .library import backend_grads, empty_grads
 
 Backend = Literal["auto", "torch", "triton"]
 # Names always accepted as options: a model saved for "triton" still loads where Triton is missing
@@ -227,21 +227,15 @@ def _(q, k, v, mixing, *options):
 )
 def attention_backward_op(grad, q, k, v, mixing, needs_grad, grid, blocks, block_size, causal, feature_map,
                           normalize, scale, eps, backend):
-    """(dq, dk, dv, dmixing) of `attention_op`, from the inputs alone: the backend's registered backward
-    (which runs its forward again), else its forward again under `torch.func.vjp`. Where `needs_grad` is False
-    the gradient is zeros or the true one, whichever is cheaper for the backend."""
+    """(dq, dk, dv, dmixing) of `attention_op`, from the inputs alone (`library.backend_grads`)."""
     impl, layout, phi = _backend(q, k, v, mixing, grid, blocks, block_size, causal, feature_map, backend)
     options = dict(causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
-    backward = backward_of(impl)
-    if backward is not None:
-        return tuple(g.contiguous() for g in backward(grad, q, k, v, mixing, layout, **options, needs_grad=needs_grad))
-    return grads_by_recompute(lambda *inputs: (impl(*inputs, layout, **options),), (q, k, v, mixing), (grad,),
-                              needs_grad)
+    return backend_grads(impl, grad, (q, k, v, mixing), layout, options, needs_grad)
 
 
 @attention_backward_op.register_fake
 def _(grad, q, k, v, mixing, *rest):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, mixing))
+    return empty_grads(q, k, v, mixing)
 
 
 def _setup_attention(ctx, inputs, output):
