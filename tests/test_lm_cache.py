@@ -141,6 +141,11 @@ def test_real_tokens_any_padding_pattern():
     assert torch.equal(_real_tokens(static, 5), real)
     additive = torch.where(static, 0.0, torch.finfo(torch.float32).min)
     assert torch.equal(_real_tokens(additive, 5), real)
+    # one search per mask tensor (each layer of a forward gets the same one), again once it changes in place
+    assert _real_tokens(static, 5) is _real_tokens(static, 5)
+    static[0, 0, :, 2:7] = causal
+    assert torch.equal(_real_tokens(static, 5), torch.cat([torch.ones(1, 5, dtype=torch.bool), real[1:]]))
+    assert _real_tokens(causal.expand(2, 1, 5, 5).clone(), 5) is None  # no padding: nothing to pack
 
 
 @pytest.mark.parametrize("family, ratio", [("llama", 1.0), ("qwen3", 0.5)])

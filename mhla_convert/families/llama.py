@@ -31,8 +31,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
-    """(B, n) bool: which of the current n tokens are not padding; None when unknown. (Never asks
-    whether all are real: that would sync the device on every layer call.)
+    """(B, n) bool: which of the current n tokens are not padding; None when unknown or, in an eager
+    forward, when all are real.
 
     The decoder layer gets the mask already expanded: 2-D (B, KV) for flash attention, or 4-D
     (B, 1, n, KV), bool (True = attend) or additive float (0 = attend). A token is real iff it may
@@ -40,6 +40,11 @@ def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
     (dynamic, static, sliding window), but it is always the last column its row attends to and it
     moves one column per query row: so the real tokens are the rows whose last attended column is
     the furthest one found, for that row, over the batch. (This needs one real token per call.)
+
+    That search reads the whole (n, KV) mask, so an eager forward does it once, at its first MHLA layer,
+    keeps the answer on the mask tensor for the next ones (every layer gets the same mask) and asks the
+    device once whether any token is padding: without padding the layers skip packing tokens. A traced
+    forward never synchronises: each layer searches (the compiler merges the copies) and packs.
     """
     if not isinstance(attention_mask, torch.Tensor):
         return None
@@ -47,13 +52,21 @@ def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
         return attention_mask[:, -n:].bool()
     if attention_mask.dim() != 4 or attention_mask.shape[-2] != n:
         return None
+    eager = not torch.compiler.is_compiling()
+    version, known = getattr(attention_mask, "_mhla_real_tokens", (None, None)) if eager else (None, None)
+    if version == attention_mask._version:  # (unchanged since)
+        return known
     allowed = attention_mask[:, 0]
     allowed = allowed if allowed.dtype == torch.bool else allowed == 0  # (B, n, KV)
     kv = allowed.shape[-1]
     last = torch.where(allowed.any(-1), kv - 1 - allowed.flip(-1).to(torch.uint8).argmax(-1), -1)  # (B, n)
     rows = torch.arange(n, device=last.device)
     own = (last - rows).amax() + rows
-    return (last == own) & (last >= 0)
+    real = (last == own) & (last >= 0)
+    if eager:
+        real = None if bool(real.all()) else real
+        attention_mask._mhla_real_tokens = (attention_mask._version, real)
+    return real
 
 
 class MHLALlamaAttention(MHLAttention):
