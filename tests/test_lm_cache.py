@@ -12,7 +12,7 @@ from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_family
 from mhla_convert.families.llama import MHLALlamaAttention, _real_tokens
 from mhla_convert.families.lm_cache import MHLACacheLayer, MHLAStaticLayer, MHLAStaticSlidingLayer
-from mhla_convert.families.lm_state import DecodeState
+from mhla_convert.families.lm_state import FIELDS, DecodeState
 
 ADAPTER = adapter_for_family("llama")
 C = 8  # chunk size: prompts span several chunks and generation crosses chunk boundaries
@@ -101,6 +101,33 @@ def test_compiled_static_generation_equals_dynamic(family, ratio):
         torch._dynamo.reset()
     assert hasattr(model, "_compiled_call")  # the steps did go through torch.compile
     assert_same(static, dynamic)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family, ratio, exact", [("llama", 1.0, 2), ("qwen3", 0.5, 0)])
+def test_cuda_graph_static_generation_equals_torch_steps(family, ratio, exact):
+    """On CUDA, generate()'s own compile of the static-cache step (inductor, CUDA graphs): the fused decoding
+    kernel inside the graph, a left-padded batch, 3 chunk closes; the same tokens as eager decoding through the
+    torch step on a dynamic cache."""
+    rows = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (19, 11)]
+    prompt, mask = (t.cuda() for t in _left_padded(rows))
+    models = []
+    for backend in ("torch", "auto"):
+        torch.manual_seed(0)
+        model = ADAPTER.build(ADAPTER.tiny_configs()[f"tiny-{family}"]).eval().cuda()
+        convert(model, ratio=ratio, chunk_size=C, exact_chunks=exact, backend=backend)
+        models.append(model)
+    want = generate(models[0], prompt, new=3 * C, mask=mask)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = generate(models[1], prompt, new=3 * C, mask=mask, cache_implementation="static",
+                           compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead", dynamic=False))
+    finally:
+        torch._dynamo.reset()
+    assert hasattr(models[1], "_compiled_call")
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-3, rtol=1e-3)
 
 
 def _left_padded(rows):
@@ -194,6 +221,19 @@ def _state(k, v, lengths, steps, real=None):
         state.step(q, k[:, t : t + 1], v[:, t : t + 1], real, torch.rand(4), normalize=True, scale=0.25, eps=1e-6,
                    backend="torch")
     return state
+
+
+def test_prefill_equals_stepping_through_the_prompt():
+    """A long prompt (far sums, recent chunks, rollback copies all in use; rows of different lengths) gives the
+    state that a short prompt and token-by-token steps through the rest give."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 61, 2, 8), torch.randn(2, 61, 2, 6)
+    at_once = _state(k, v, torch.tensor([61, 45]), steps=0)
+    assert at_once.position.tolist() == [61, 45] and bool(at_once.far_s.abs().sum() > 0)
+    for row, length in enumerate((61, 45)):
+        stepped = _state(k[:, :length], v[:, :length], torch.tensor([3, 3]), steps=length - 3)
+        for name, got, want in zip(FIELDS, at_once.tensors(), stepped.tensors()):
+            torch.testing.assert_close(got[row], want[row], atol=1e-4, rtol=1e-5, msg=name)
 
 
 def test_rollback_rebuilds_the_earlier_state():

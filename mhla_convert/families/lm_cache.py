@@ -59,7 +59,7 @@ class _MHLASlot:
             self.state = DecodeState(k.shape[0], k.shape[2], k.shape[3], v.shape[3], dtype=k.dtype, device=k.device,
                                      **settings)
             self._allocated(self.state)
-        self.state.prefill(k, v, lengths)
+        self.state.prefill(k, v, lengths, backend=config.backend)
         self.has_state = True
         self._count(tokens)
 

@@ -3,8 +3,9 @@
 Each row of the batch is at its own position (the number of real tokens it has consumed), so
 left-padded rows chunk their tokens exactly as they would alone. Every tensor is allocated once,
 at the prompt, and every later token changes it in place without Python-side branching (chunk
-closes are `torch.where` per row): the same code serves a `DynamicCache` and a `StaticCache`
-under `torch.compile` / CUDA graphs.
+closes are `torch.where` per row in `step_torch`, masked writes in the one-launch Triton step of
+`kernels.decode_triton`): the same code serves a `DynamicCache` and a `StaticCache` under
+`torch.compile` / CUDA graphs.
 
 Per layer and row it holds the open chunk's summary, the last W − 2 closed ones and a running sum
 of all older ones (as `ops.recurrent`), plus what rolling back needs (`rollback`, for assisted /
@@ -33,6 +34,7 @@ from ..ops.exact_local import read_window, window_relative
 from ..ops.feature_maps import resolve_feature_map
 from ..ops.recurrent import step_terms, step_torch
 
+_PREFILL_GROUP = 1024  # tokens per partial product in `DecodeState.older_sums_torch`
 FIELDS = (
     "position", "cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z",
     "back_recent_s", "back_recent_z", "back_far_s", "back_far_z", "back_valid", "ring_k", "ring_v",
@@ -95,44 +97,56 @@ class DecodeState:
         )
 
     # --- the prompt --------------------------------------------------------------------------
-    def _summaries(self, s, z, closed):
-        """(recent, far) of rows that have closed `closed` (B,) chunks, from per-chunk sums s, z."""
-        rows = torch.arange(s.shape[0], device=s.device)[:, None]
-        idx = closed[:, None] - self.keep + torch.arange(self.keep, device=s.device)  # (B, K)
-        valid = idx >= 0
-        recent_s = torch.where(valid[..., None, None, None], s[rows, idx.clamp(min=0)], 0).transpose(1, 2)
-        recent_z = torch.where(valid[..., None, None], z[rows, idx.clamp(min=0)], 0).transpose(1, 2)
-        older = (torch.arange(s.shape[1], device=s.device) < (closed - self.keep)[:, None]).to(s.dtype)  # (B, N_c)
-        return recent_s, recent_z, torch.einsum("bn,bnhde->bhde", older, s), torch.einsum("bn,bnhd->bhd", older, z)
-
     @torch.no_grad()
-    def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str = "auto") -> None:
         """Start every row afresh from its first `lengths[b]` tokens of k (B, N, H, D), v (B, N, H, Dv);
-        the rest of a row is ignored (the caller packs each row's real tokens first)."""
-        C, acc = self.chunk_size, self.cur_s.dtype
-        batch, n = k.shape[:2]
-        chunks = n // C + 1  # one more than complete chunks: a row's open chunk always has a slot
-        pad = chunks * C - n
-        fk = self.phi(F.pad(k.to(acc), (0, 0, 0, 0, 0, pad)))
-        keep_row = torch.arange(chunks * C, device=k.device) < lengths[:, None]  # (B, N')
-        fk = torch.where(keep_row[..., None, None], fk, 0).unflatten(1, (chunks, C))  # (B, N_c, C, H, D)
-        vb = F.pad(v.to(acc), (0, 0, 0, 0, 0, pad)).unflatten(1, (chunks, C))
-        s, z = torch.einsum("bnchd,bnche->bnhde", fk, vb), fk.sum(2)  # per-chunk sums
+        the rest of a row is ignored (the caller packs each row's real tokens first).
 
-        rows = torch.arange(batch, device=k.device)
+        Only the K + 2 chunks around a row's open one are summed one by one (the rollback copies, the recent
+        ones, the open one); everything older is one sum per row and head (the "older_sums" op of
+        `ops.dispatch`: `older_sums_torch`, or a kernel)."""
+        C, K, acc = self.chunk_size, self.keep, self.cur_s.dtype
+        n = k.shape[1]
         closed = lengths // C
-        for names, done in ((("recent_s", "recent_z", "far_s", "far_z"), closed),
-                            (("back_recent_s", "back_recent_z", "back_far_s", "back_far_z"), closed - 1)):
-            for name, value in zip(names, self._summaries(s, z, done)):
-                getattr(self, name).copy_(value)
-        self.cur_s.copy_(s[rows, closed])
-        self.cur_z.copy_(z[rows, closed])
+        first = (closed - K - 1) * C  # the first token of the oldest chunk kept apart: the rollback copy's oldest
+        tokens = first[:, None] + torch.arange((K + 2) * C, device=k.device)  # (B, (K + 2)·C)
+        kept = (tokens >= 0) & (tokens < lengths[:, None])
+
+        def near(x, fn=lambda x: x):  # → fn(x) (B, K + 2, C, H, ·) of those chunks, zeros outside a row's tokens
+            x = fn(x.gather(1, tokens.clamp(0, n - 1)[..., None, None].expand(-1, -1, *x.shape[2:])).to(acc))
+            return torch.where(kept[..., None, None], x, 0).unflatten(1, (K + 2, C))
+
+        fk, vb = near(k, self.phi), near(v)
+        s, z = torch.einsum("bnchd,bnche->bnhde", fk, vb), fk.sum(2)  # per-chunk sums (B, K + 2, H, ·)
+        older_sums = select("older_sums", backend, DecodeState.older_sums_torch, self, k, v, first)
+        back_far_s, back_far_z = older_sums(self, k, v, first)
+        self.back_far_s.copy_(back_far_s)
+        self.back_far_z.copy_(back_far_z)
+        self.far_s.copy_(back_far_s + s[:, 0])
+        self.far_z.copy_(self.back_far_z + z[:, 0])
+        self.back_recent_s.copy_(s[:, :K].transpose(1, 2))
+        self.back_recent_z.copy_(z[:, :K].transpose(1, 2))
+        self.recent_s.copy_(s[:, 1 : K + 1].transpose(1, 2))
+        self.recent_z.copy_(z[:, 1 : K + 1].transpose(1, 2))
+        self.cur_s.copy_(s[:, K + 1])
+        self.cur_z.copy_(z[:, K + 1])
         self.back_valid.copy_(closed >= 1)
         self.position.copy_(lengths)
         # the ring: the last R tokens of each row, token t in slot t mod R
         idx = self._ring_positions().clamp(0, n - 1)
         self.ring_k.copy_(k.gather(1, idx[..., None, None].expand(-1, -1, *k.shape[2:])))
         self.ring_v.copy_(v.gather(1, idx[..., None, None].expand(-1, -1, *v.shape[2:])))
+
+    def older_sums_torch(self, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor):
+        """(Σ φ(k_t) v_tᵀ (B, H, D, Dv), Σ φ(k_t) (B, H, D)) over each row's tokens t < first[b], in the state's
+        dtype. Summed by groups of tokens, then over the groups: cuBLAS runs one float32 product over all N tokens
+        on a handful of SMs, many shorter ones on all of them."""
+        acc, n = self.cur_s.dtype, k.shape[1]
+        older = torch.arange(n, device=k.device) < first[:, None]
+        fk = torch.where(older[..., None, None], self.phi(k.to(acc)), 0)
+        pad = -n % _PREFILL_GROUP
+        grouped = (F.pad(x, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, _PREFILL_GROUP)) for x in (fk, v.to(acc)))
+        return torch.einsum("bgthd,bgthe->bghde", *grouped).sum(1), fk.sum(1)
 
     def _ring_positions(self) -> torch.Tensor:
         """(B, R): the position of the token each ring slot holds (the last R positions; < 0: none)."""
@@ -145,12 +159,24 @@ class DecodeState:
              eps: float, backend: str) -> torch.Tensor:
         """One token per row: q (B, 1, H, D), k (B, 1, H_kv, D), v (B, 1, H_kv, Dv), real (B,) bool
         (None: all) → output (B, 1, H, Dv). A row whose token is not real keeps its state (its key
-        must give φ(k) = 0). Updates in place, branch-free."""
+        must give φ(k) = 0). Updates in place, branch-free: the "decode" op of `ops.dispatch` (`step_torch`, or
+        one fused kernel per layer, `kernels.decode_triton`), then the row positions."""
+        impl = select("decode", backend, DecodeState.step_torch, self, q, k, v, relative, phi=self.phi)
+        out = impl(self, q, k, v, real, relative, normalize=normalize, scale=scale, eps=eps)
+        with torch.no_grad():
+            adv = torch.ones_like(self.back_valid) if real is None else real
+            position = self.position + adv
+            self.back_valid.logical_or_(adv & (position % self.chunk_size == 0))
+            self.position.copy_(position)
+        return out
+
+    def step_torch(self, q, k, v, real, relative, *, normalize: bool, scale: float, eps: float) -> torch.Tensor:
+        """The step's torch reference: the output, and every tensor but the row positions updated."""
         if self.exact_chunks:
             out, cur_s, cur_z = self._exact_step(q, k, v, relative, scale=scale, eps=eps)
         else:
-            impl = select("step", backend, step_torch, self, q, k, v, relative, phi=self.phi)
-            out, cur_s, cur_z = impl(self, q, k, v, relative, phi=self.phi, normalize=normalize, scale=scale, eps=eps)
+            out, cur_s, cur_z = step_torch(self, q, k, v, relative, phi=self.phi, normalize=normalize, scale=scale,
+                                           eps=eps)
         with torch.no_grad():
             self._advance(k[:, 0], v[:, 0], cur_s, cur_z, real)
         return out
@@ -181,12 +207,10 @@ class DecodeState:
         rows, slot = torch.arange(batch, device=k.device), self.position % self.slots
         self.ring_k[rows, slot] = torch.where(_per_row(adv, k), k, self.ring_k[rows, slot])
         self.ring_v[rows, slot] = torch.where(_per_row(adv, v), v, self.ring_v[rows, slot])
-        position = self.position + adv
-        close = adv & (position % self.chunk_size == 0)
+        close = adv & ((self.position + adv) % self.chunk_size == 0)
         for back, now in ((self.back_recent_s, self.recent_s), (self.back_recent_z, self.recent_z),
                           (self.back_far_s, self.far_s), (self.back_far_z, self.far_z)):
             back.copy_(torch.where(_per_row(close, now), now, back))
-        self.back_valid.logical_or_(close)
         for far, recent, cur in ((self.far_s, self.recent_s, cur_s), (self.far_z, self.recent_z, cur_z)):
             if self.keep:
                 far.add_(torch.where(_per_row(close, far), recent[:, :, 0], 0))
@@ -196,7 +220,6 @@ class DecodeState:
                 far.add_(torch.where(_per_row(close, far), cur, 0))
         self.cur_s.copy_(torch.where(_per_row(close, cur_s), 0, cur_s))
         self.cur_z.copy_(torch.where(_per_row(close, cur_z), 0, cur_z))
-        self.position.copy_(position)
 
     # --- going back, reordering ----------------------------------------------------------------
     @torch.no_grad()

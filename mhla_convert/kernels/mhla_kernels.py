@@ -641,3 +641,186 @@ def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, ep
     sn = tl.load(SIN + b * ssb + n * ssn + hc + 1, mask=pm, other=0.0).to(tl.float32)
     out = tl.reshape(tl.join(xe * cs - xo * sn, xe * sn + xo * cs), (2 * BP,))
     tl.store(OUT + (b * N + n) * C + c, out.to(OUT.dtype.element_ty), mask=c < C)
+
+
+@triton.jit
+def _decode_step_kernel(
+    Q, K, V, R, POS, REAL, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, BREC_S, BREC_Z, BFAR_S, BFAR_Z, RING_K, RING_V, O,
+    sqb, sqh, skb, skh, svb, svh, HKV, G, R_SH, SLOTS, scale, eps, W: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, NREC: tl.constexpr, C: tl.constexpr, L: tl.constexpr, BG: tl.constexpr,
+    BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PHI: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_REAL: tl.constexpr,
+):
+    """One decoding token of one LM layer's `DecodeState` (`families.lm_state`) for batch row b and key head hk, all
+    of it in place: the readout of the open chunk, the NREC closed ones, the far sum and (L > 0) the exact window,
+    then the state's update, closing the chunk when the token completes it. The row's position and whether its
+    token is real (REAL; all are without HAS_REAL) are read here and advanced by the caller.
+
+    One program owns every tensor slice it writes, so the update needs no second launch: the readout reads the
+    old summaries; a close first copies them to the rollback copies (BREC, BFAR), then, after a barrier, shifts
+    the recent ones from those copies. Summary tiles are (BK, Dv) slices of the (D, Dv) summaries."""
+    bh = tl.program_id(0)
+    b, hk = (bh // HKV).to(tl.int64), bh % HKV
+    row = b * HKV + hk
+    pos = tl.load(POS + b)
+    if HAS_REAL:
+        adv = tl.load(REAL + b) != 0
+    else:
+        adv = pos >= 0
+    close = adv & ((pos + 1) % C == 0)
+    g = tl.arange(0, BG)
+    gm = g < G
+    h = hk * G + g
+    rp = R + h * R_SH  # (BG,) each query head's relative mixing
+    e = tl.arange(0, BDV)
+    em = e < DV
+    vx = tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0).to(tl.float32)
+
+    # the exact window (L > 0): the ring's tokens of the open chunk and the L − 1 before it, then the token itself;
+    # an online softmax whose running max starts at 0 (the shift is at least 0)
+    top = tl.zeros((BG,), tl.float32)
+    wacc = tl.zeros((BG, BDV), tl.float32)
+    wsum = tl.zeros((BG,), tl.float32)
+    if L > 0:
+        d = tl.arange(0, BD)
+        dm = d < D
+        qx = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        qx = qx.to(tl.float32) * (D ** -0.5)
+        start = tl.maximum(pos // C - L + 1, 0) * C
+        for t0 in range(0, L * C, BT):
+            p = start + t0 + tl.arange(0, BT)
+            valid = p < pos
+            slot = (b * SLOTS + p % SLOTS) * HKV + hk
+            kt = tl.load(RING_K + slot[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            w = tl.load(rp[:, None] + (pos // C - p // C)[None, :], mask=gm[:, None] & valid[None, :], other=0.0)
+            w = w.to(tl.float32)
+            allowed = valid[None, :] & (w > 0)
+            s = tl.where(allowed, tl.sum(qx[:, None, :] * kt.to(tl.float32)[None, :, :], 2), float("-inf"))
+            new_top = tl.maximum(top, tl.max(s, 1))
+            a = tl.where(allowed, tl.exp(s - new_top[:, None]) * w, 0.0)
+            vt = tl.load(RING_V + slot[:, None] * DV + e[None, :], mask=valid[:, None] & em[None, :], other=0.0)
+            alpha = tl.exp(top - new_top)
+            wacc = wacc * alpha[:, None] + tl.sum(a[:, :, None] * vt.to(tl.float32)[None, :, :], 1)
+            wsum = wsum * alpha + tl.sum(a, 1)
+            top = new_top
+        kx = tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0).to(tl.float32)
+        w = tl.load(rp, mask=gm, other=0.0).to(tl.float32)
+        s = tl.where(w > 0, tl.sum(qx * kx[None, :], 1), float("-inf"))
+        new_top = tl.maximum(top, s)
+        a = tl.where(w > 0, tl.exp(s - new_top) * w, 0.0)
+        alpha = tl.exp(top - new_top)
+        wacc = wacc * alpha[:, None] + a[:, None] * vx[None, :]
+        wsum = wsum * alpha + a
+        top = new_top
+
+    # the summaries, by (BK, Dv) slices: readout, then the update
+    num = tl.zeros((BG, BDV), tl.float32)
+    den = tl.zeros((BG,), tl.float32)
+    for d0 in tl.static_range(0, BD, BK):
+        dk = d0 + tl.arange(0, BK)
+        dkm = dk < D
+        tile = dkm[:, None] & em[None, :]
+        shut = tile & close
+        fq = tl.load(Q + b * sqb + h[:, None] * sqh + dk[None, :], mask=gm[:, None] & dkm[None, :], other=0.0)
+        fq = tl.where(gm[:, None] & dkm[None, :], _phi(fq.to(tl.float32), PHI), 0.0) * scale
+        fq = fq.to(tl.float32)  # (BG, BK) (torch.compile passes the Python float `scale` as a float64)
+        fk = tl.where(dkm, _phi(tl.load(K + b * skb + hk * skh + dk, mask=dkm, other=0.0).to(tl.float32), PHI), 0.0)
+        s_at = (row * D + dk[:, None]) * DV + e[None, :]  # a (D, Dv) summary's tile
+        z_at = row * D + dk
+        cs = tl.load(CUR_S + s_at, mask=tile, other=0.0) + fk[:, None] * vx[None, :]
+        cz = tl.load(CUR_Z + z_at, mask=dkm, other=0.0) + fk
+        fs = tl.load(FAR_S + s_at, mask=tile, other=0.0)
+        fz = tl.load(FAR_Z + z_at, mask=dkm, other=0.0)
+        # the summaries mixed per query head first, so the φ(q) product reduces once per slice
+        mixed = tl.zeros((BG, BK, BDV), tl.float32)
+        mixed_z = tl.zeros((BG, BK), tl.float32)
+        if L == 0:
+            mixed, mixed_z = _decode_mix(mixed, mixed_z, cs, cz, tl.load(rp, mask=gm, other=0.0))
+        if W - 1 >= L:
+            mixed, mixed_z = _decode_mix(mixed, mixed_z, fs, fz, tl.load(rp + W - 1, mask=gm, other=0.0))
+        for i in tl.static_range(NREC):
+            if NREC - i >= L:  # distance NREC − i: read exactly in the window when nearer
+                rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
+                mixed, mixed_z = _decode_mix(mixed, mixed_z, tl.load(REC_S + rs_at, mask=tile, other=0.0),
+                                             tl.load(REC_Z + rz_at, mask=dkm, other=0.0),
+                                             tl.load(rp + NREC - i, mask=gm, other=0.0))
+        num += tl.sum(fq[:, :, None] * mixed, 1)
+        den += tl.sum(fq * mixed_z, 1)
+        tl.store(CUR_S + s_at, tl.where(close, 0.0, cs), mask=tile)
+        tl.store(CUR_Z + z_at, tl.where(close, 0.0, cz), mask=dkm)
+        # a close: the rollback copies, then (after the barrier) far += oldest, recent shifted, the open chunk last
+        tl.store(BFAR_S + s_at, fs, mask=shut)
+        tl.store(BFAR_Z + z_at, fz, mask=dkm & close)
+        for i in tl.static_range(NREC):
+            rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
+            tl.store(BREC_S + rs_at, tl.load(REC_S + rs_at, mask=shut, other=0.0), mask=shut)
+            tl.store(BREC_Z + rz_at, tl.load(REC_Z + rz_at, mask=dkm & close, other=0.0), mask=dkm & close)
+        tl.debug_barrier()
+        if NREC == 0:
+            tl.store(FAR_S + s_at, fs + cs, mask=shut)
+            tl.store(FAR_Z + z_at, fz + cz, mask=dkm & close)
+        else:
+            r0s, r0z = (row * NREC * D + dk[:, None]) * DV + e[None, :], row * NREC * D + dk
+            tl.store(FAR_S + s_at, fs + tl.load(BREC_S + r0s, mask=shut, other=0.0), mask=shut)
+            tl.store(FAR_Z + z_at, fz + tl.load(BREC_Z + r0z, mask=dkm & close, other=0.0), mask=dkm & close)
+            for i in tl.static_range(1, NREC):
+                rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
+                before_s, before_z = rs_at - D * DV, rz_at - D
+                tl.store(REC_S + before_s, tl.load(BREC_S + rs_at, mask=shut, other=0.0), mask=shut)
+                tl.store(REC_Z + before_z, tl.load(BREC_Z + rz_at, mask=dkm & close, other=0.0), mask=dkm & close)
+            last_s = ((row * NREC + NREC - 1) * D + dk[:, None]) * DV + e[None, :]
+            tl.store(REC_S + last_s, cs, mask=shut)
+            tl.store(REC_Z + (row * NREC + NREC - 1) * D + dk, cz, mask=dkm & close)
+
+    if L > 0:  # the window's softmax weights and the summaries' linear ones, normalised together
+        decay = tl.exp(-top)
+        out = (num * decay[:, None] + wacc) / (den * decay + wsum + eps * decay)[:, None]
+    elif NORMALIZE:
+        out = num / (den + eps)[:, None]
+    else:
+        out = num
+    tl.store(O + (row * G + g[:, None]) * DV + e[None, :], out.to(O.dtype.element_ty), mask=gm[:, None] & em[None, :])
+    # the token joins the ring (after the window read: its slot held a token older than the window)
+    slot = (b * SLOTS + pos % SLOTS) * HKV + hk
+    d = tl.arange(0, BD)
+    dm = d < D
+    tl.store(RING_K + slot * D + d, tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0), mask=dm & adv)
+    tl.store(RING_V + slot * DV + e, tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0), mask=em & adv)
+
+
+@triton.jit
+def _decode_mix(mixed, mixed_z, s, z, w):
+    """One summary's share of the decoding readout's per-head mixture: mixed += w·S, mixed_z += w·z."""
+    w = w.to(tl.float32)
+    return mixed + w[:, None, None] * s[None, :, :], mixed_z + w[:, None] * z[None, :]
+
+
+@triton.jit
+def _older_sums_kernel(K, V, FIRST, PS, PZ, skb, skn, skh, svb, svn, svh, HKV,
+                       D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                       BDV: tl.constexpr, PHI: tl.constexpr, HALF_DOT: tl.constexpr):
+    """A prompt's sums Σ φ(k_t) v_tᵀ and Σ φ(k_t) over the tokens t < FIRST[b] of row b and key head hk, split
+    over programs by SPLIT tokens: program (b·HKV + hk, p) writes the float32 partials of its tokens to
+    PS[p, b·HKV + hk] (D, Dv) and PZ[p, b·HKV + hk] (D,). Every product is exact and summed in float32: with
+    HALF_DOT (half inputs, φ = relu, which keeps them representable) on tensor cores in the inputs' dtype, else
+    in float32 without tf32."""
+    bh, p = tl.program_id(0), tl.program_id(1)
+    b, hk = (bh // HKV).to(tl.int64), bh % HKV
+    end = tl.load(FIRST + b)
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    acc = tl.zeros((BD, BDV), tl.float32)
+    accz = tl.zeros((BD,), tl.float32)
+    for t0 in range(0, SPLIT, BT):
+        n = p * SPLIT + t0 + tl.arange(0, BT)
+        valid = n < end
+        fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
+        vt = _load_rows(V + b * svb + hk * svh, n, valid, svn, e, em)
+        if HALF_DOT:
+            acc += tl.dot(tl.trans(fk.to(vt.dtype)), vt)
+        else:
+            acc += tl.dot(tl.trans(fk), vt.to(tl.float32), input_precision="ieee")
+        accz += tl.sum(fk, 0)
+    part = p * tl.num_programs(0) + bh
+    tl.store(PS + (part * D + d[:, None]) * DV + e[None, :], acc, mask=dm[:, None] & em[None, :])
+    tl.store(PZ + part * D + d, accz, mask=dm)

@@ -35,7 +35,8 @@ from ..ops.feature_maps import FEATURE_MAPS
 from . import mhla_kernels as K
 from . import settings
 
-_PHI_IDS = {id(FEATURE_MAPS["relu"]): 0, id(FEATURE_MAPS["elu"]): 1}
+KERNEL_FEATURE_MAPS = {"relu": 0, "elu": 1}  # the feature maps the kernels apply, by name: their PHI ids
+_PHI_IDS = {id(FEATURE_MAPS[name]): phi for name, phi in KERNEL_FEATURE_MAPS.items()}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
 
@@ -48,6 +49,10 @@ def qkv_reason(q, k, v, phi) -> str | None:
     """The feature-map and dtype clauses of the attention and the decoding-step kernels."""
     if id(phi) not in _PHI_IDS:
         return "a callable feature map (kernels know 'relu' and 'elu')"
+    return dtypes_reason(q, k, v)
+
+
+def dtypes_reason(q, k, v) -> str | None:
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (kernels take one of fp16, bf16, fp32 for q, k and v)"
     return None

@@ -13,7 +13,11 @@ Operators and their implementation signatures:
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm);
 - "exact" (causal attention with exact local chunks): `ops.exact_local.mhla_attention_exact_local_torch`;
   supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask); an optional
-  backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing).
+  backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing);
+- "decode" (an LM layer's decoding step on its `DecodeState`, in place): `families.lm_state.DecodeState.step_torch`;
+  supports(state, q, k, v, relative, *, phi);
+- "older_sums" (a prompt's sums φ(k)ᵀv, φ(k) over each row's tokens before `first`, for its `DecodeState`):
+  `families.lm_state.DecodeState.older_sums_torch`; supports(state, k, v, first).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary", "exact")
+OPS = ("attention", "step", "rotary", "exact", "decode", "older_sums")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _logged: set[tuple] = set()
