@@ -135,6 +135,22 @@ def test_auto_and_refusals():
         narrow.step(q.detach(), k, v, None, relative[:2], normalize=True, scale=0.3, eps=1e-6, backend="triton")
 
 
+@run
+def test_decode_step_op_opcheck():
+    """torch.library.opcheck of `mhla_convert::decode_step`: it mutates exactly the state tensors it declares
+    (run for real). On CUDA also its fake implementation and AOT dispatch (the interpreter cannot run a kernel on
+    fake tensors)."""
+    case = CASES["exact-2-gqa"]
+    (state, _), relative = _pair(case, torch.float32, prompt=11)
+    q, k, v, real = next(_tokens(case, torch.float32, 1, seed=6))
+    args = (q, k, v, relative, state.position, real, *(getattr(state, name) for name in decode_triton._STATE), 4, 2,
+            0, True, True, 0.3, 1e-6)
+    checks = ("test_schema", "test_autograd_registration", *(("test_faketensor", "test_aot_dispatch_dynamic")
+                                                             if CUDA else ()))
+    result = torch.library.opcheck(torch.ops.mhla_convert.decode_step.default, args, test_utils=checks)
+    assert result == dict.fromkeys(checks, "SUCCESS")
+
+
 @gpu
 @pytest.mark.parametrize("shape", ["llama", "qwen3"])
 def test_kernel_step_at_lm_shapes(shape):
