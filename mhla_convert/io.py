@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 import uuid
@@ -222,6 +223,23 @@ def write_atomically(target: Path, write) -> Path:
         swap_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def write_file_atomically(target: Path, write) -> Path:
+    """Have `write(staging)` fill a hidden sibling file with `target`'s suffix (writers pick the format from it),
+    then rename it onto `target`; on any failure, KeyboardInterrupt included, the staging file is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
+    os.close(handle)
+    staging = Path(name)
+    try:
+        write(staging)
+        os.replace(staging, target)
+    except BaseException:
+        staging.unlink(missing_ok=True)
         raise
     return target
 

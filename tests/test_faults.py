@@ -112,6 +112,23 @@ def test_a_failed_replacing_save_leaves_only_the_previous_checkpoint(tiny, tmp_p
     assert _listing(tmp_path) == ["ckpt"]
 
 
+def test_an_interrupted_sample_file_write_keeps_the_previous_file(tmp_path):
+    """Sample images and videos, `best.json`: written to a hidden sibling with the same suffix, then renamed."""
+    from mhla_convert.io import write_file_atomically
+
+    target = tmp_path / "samples.png"
+    write_file_atomically(target, lambda path: path.write_bytes(b"first") if path.suffix == ".png" else None)
+    assert target.read_bytes() == b"first"
+
+    def interrupted(path):
+        path.write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_file_atomically(target, interrupted)
+    assert target.read_bytes() == b"first" and _listing(tmp_path) == ["samples.png"]
+
+
 def test_a_stale_copy_beside_a_present_checkpoint_is_removed_on_load(tiny, tmp_path, caplog):
     model = tiny("tiny-dit")
     convert(model, layers=[1])

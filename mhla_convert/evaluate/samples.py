@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..families import families
+from ..io import write_file_atomically
 from ..locations import SOURCE_ATTR
 from .image_metrics import clip_score, fid, psnr, resolve_clip_model, resolve_fid_weights, ssim
 
@@ -161,14 +162,16 @@ def sample_grid(samples: torch.Tensor, label: str):
 
 def _write(ref_samples: torch.Tensor, model_samples: torch.Tensor, out_dir: Path, *, video: bool) -> None:
     if not video:
-        _grid([ref_samples, model_samples]).save(out_dir / "samples.png")
+        grid = _grid([ref_samples, model_samples])
+        write_file_atomically(out_dir / "samples.png", grid.save)
         return
     import imageio.v2 as imageio
 
     frames = [_grid([ref_samples[:, f], model_samples[:, f]]) for f in range(ref_samples.shape[1])]
-    frames[0].save(out_dir / "samples.png")
+    write_file_atomically(out_dir / "samples.png", frames[0].save)
     # even width and height (yuv420p) by construction, so no resizing to 16-pixel blocks
-    imageio.mimwrite(out_dir / "samples.mp4", [np.asarray(f) for f in frames], fps=VIDEO_FPS, macro_block_size=1)
+    write_file_atomically(out_dir / "samples.mp4", lambda path: imageio.mimwrite(
+        path, [np.asarray(f) for f in frames], fps=VIDEO_FPS, macro_block_size=1))
 
 
 def _grid(rows: list[torch.Tensor], labels=None):

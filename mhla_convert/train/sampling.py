@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..families import adapter_for_family
+from ..io import write_file_atomically
 from ..ops.blocks import whole_number
 from ..placement import check_device
 from .errors import TrainError
@@ -114,15 +115,13 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
                             class_label=class_label or 0, height=height, width=width, num_frames=num_frames,
                             max_new_tokens=max_new_tokens, image=first_frame)
     if adapter.sample_kind == "text":
-        out = out if out.suffix else out.with_suffix(".txt")
-        out.write_text(result + "\n")
+        out = write_file_atomically(out if out.suffix else out.with_suffix(".txt"), lambda path: path.write_text(
+            result + "\n"))
         print(result)
         return out
     if adapter.sample_kind == "video":
         return _write_video(result, out)
-    out = out if out.suffix else out.with_suffix(".png")
-    result.save(out)
-    return out
+    return write_file_atomically(out if out.suffix else out.with_suffix(".png"), result.save)
 
 
 def _first_frame(image, *, i2v: bool):
@@ -145,6 +144,5 @@ def _write_video(frames, out: Path, fps: int = 16) -> Path:
     import imageio.v2 as imageio
     import numpy as np
 
-    out = out if out.suffix else out.with_suffix(".mp4")
-    imageio.mimwrite(out, [(np.clip(f, 0, 1) * 255).astype("uint8") for f in frames], fps=fps)
-    return out
+    return write_file_atomically(out if out.suffix else out.with_suffix(".mp4"), lambda path: imageio.mimwrite(
+        path, [(np.clip(f, 0, 1) * 255).astype("uint8") for f in frames], fps=fps))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..io import write_file_atomically
 from .data import TensorData, build_dataset
 from .recipe import Recipe
 
@@ -104,8 +105,7 @@ class SampleWriter:
         finally:
             model.train(was_training)
         grid = sample_grid(samples, f"step {step}")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        grid.save(self.dir / f"step-{step:08d}.png")
+        write_file_atomically(self.dir / f"step-{step:08d}.png", grid.save)
         return np.asarray(grid)
 
 
@@ -121,9 +121,7 @@ class BestModel:
 
     def note(self, step: int, stage: str, loss: float, directory: Path | None) -> None:
         self.record = {"step": step, "stage": stage, "loss": loss, "model": str(directory) if directory else None}
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.record, indent=1))
-        tmp.replace(self.file)
+        write_file_atomically(self.file, lambda path: path.write_text(json.dumps(self.record, indent=1)))
 
     def summary(self) -> str | None:
         if self.record is None:
