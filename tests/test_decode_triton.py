@@ -20,7 +20,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 
 from mhla_convert.families.lm_state import DecodeState  # noqa: E402
 from mhla_convert.kernels import decode_triton  # noqa: E402
-from mhla_convert.kernels import mhla_triton as MT  # noqa: E402
 from mhla_convert.kernels.mhla_kernels import _decode_step_kernel  # noqa: E402
 from mhla_convert.ops.dispatch import select  # noqa: E402
 
@@ -31,14 +30,7 @@ run = pytest.mark.skipif(not (INTERPRETED or CUDA), reason="needs CUDA, or TRITO
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    real = MT._new
-
-    def nan_filled(*shape, dtype, device):
-        return real(*shape, dtype=dtype, device=device).fill_(float("nan"))
-
-    monkeypatch.setattr(MT, "_new", nan_filled)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 
 
 # batch, heads, kv heads, D, Dv, chunk, window, exact chunks, per-head mixing, feature map, normalize

@@ -32,14 +32,7 @@ run = pytest.mark.skipif(not (INTERPRETED or CUDA), reason="needs CUDA, or TRITO
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    real = exact_triton._new
-
-    def nan_filled(*shape, dtype, device):
-        return real(*shape, dtype=dtype, device=device).fill_(float("nan"))
-
-    monkeypatch.setattr(exact_triton, "_new", nan_filled)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 
 
 # batch, tokens, heads, kv heads, D, Dv, chunk, exact chunks, per-head mixing, feature map

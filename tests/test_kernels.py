@@ -54,15 +54,7 @@ interp = pytest.mark.skipif(
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 
-@pytest.fixture(autouse=True)
-def poison(monkeypatch):
-    real = mhla_triton._new
-
-    def nan_filled(*shape, device, dtype, zero=False):
-        out = real(*shape, device=device, dtype=dtype, zero=zero)
-        return out if zero else out.fill_(float("nan"))
-
-    monkeypatch.setattr(mhla_triton, "_new", nan_filled)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 
 
 def _settings(monkeypatch, **changes):
