@@ -1,5 +1,6 @@
 """Attention-operator benchmark: SDPA vs MHLA (torch path) vs MHLA (Triton) — and, causal, fla's
-`chunk_linear_attn` when installed — forward and forward+backward, over N for the target shapes.
+`chunk_linear_attn` when installed, with and without its normaliser — forward and forward+backward, over N for
+the target shapes.
 
     python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out docs/bench/attention_op]
 
@@ -72,6 +73,8 @@ def bench_row(family, heads, dim, grid, blocks, dtype):
             from fla.ops.linear_attn import chunk_linear_attn
 
             variants["fla_chunk_linear_attn"] = (lambda: chunk_linear_attn(q, k, v)[0], [q, k, v])
+            # without the normaliser, as MHLA's Triton path computes its own in the same passes
+            variants["fla_unnormalized"] = (lambda: chunk_linear_attn(q, k, v, normalize=False)[0], [q, k, v])
         except ImportError:
             pass
     row = dict(family=family, N=n, grid="x".join(map(str, grid)), M=mixing.shape[-1], H=heads, D=dim)

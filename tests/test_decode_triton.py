@@ -76,6 +76,15 @@ def _tokens(case, dtype, steps, seed):
         yield q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), real.to(DEVICE)
 
 
+def _split_columns(monkeypatch, columns):
+    from dataclasses import replace
+
+    from mhla_convert.kernels import settings
+
+    launches = {dim: (*launch[:2], columns) for dim, launch in settings.SETTINGS.decode_launches.items()}
+    monkeypatch.setattr(settings, "SETTINGS", replace(settings.SETTINGS, decode_launches=launches))
+
+
 def _compare(ours, ref, tol):
     for name in ("position", *decode_triton._STATE):
         torch.testing.assert_close(getattr(ours, name), getattr(ref, name), **tol, msg=lambda m, n=name: f"{n}: {m}")
@@ -83,11 +92,15 @@ def _compare(ours, ref, tol):
 
 
 @run
+@pytest.mark.parametrize("columns", [None, 4], ids=["one-program", "columns-split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_step_equals_torch_step(name, dtype):
+def test_kernel_step_equals_torch_step(name, dtype, columns, monkeypatch):
     """Every token's output (real rows) and the whole state after it, over more than three chunk closes; then a
-    rollback of each path and more tokens."""
+    rollback of each path and more tokens. With `columns`, each (row, key head) takes several programs, of 4 value
+    columns each, whose last one updates the key sums."""
+    if columns:
+        _split_columns(monkeypatch, columns)
     case = CASES[name]
     normalize = case[-1]
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

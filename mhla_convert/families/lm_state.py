@@ -37,7 +37,7 @@ from ..ops.recurrent import step_terms, step_torch
 _PREFILL_GROUP = 1024  # tokens per partial product in `DecodeState.older_sums_torch`
 FIELDS = (
     "position", "cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z",
-    "back_recent_s", "back_recent_z", "back_far_s", "back_far_z", "back_valid", "ring_k", "ring_v",
+    "back_recent_s", "back_recent_z", "back_far_s", "back_far_z", "back_valid", "ring_k", "ring_v", "arrivals",
 )
 
 
@@ -80,6 +80,7 @@ class DecodeState:
         self.back_valid = zeros(batch, dtype=torch.bool)
         self.ring_k = zeros(batch, self.slots, kv_heads, dim, dtype=dtype)
         self.ring_v = zeros(batch, self.slots, kv_heads, dv, dtype=dtype)
+        self.arrivals = zeros(batch, kv_heads, dtype=torch.int32)  # the fused step's counter, 0 between steps
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in FIELDS]

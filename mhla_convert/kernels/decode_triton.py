@@ -18,7 +18,7 @@ from . import mhla_triton as MT
 from . import settings
 
 _STATE = ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z", "back_recent_s", "back_recent_z", "back_far_s",
-          "back_far_z", "ring_k", "ring_v")
+          "back_far_z", "ring_k", "ring_v", "arrivals")
 
 
 def decode_unsupported_reason(state, q, k, v, relative, *, phi) -> str | None:
@@ -66,7 +66,8 @@ def decode_step_op(
     real: torch.Tensor, cur_s: torch.Tensor, cur_z: torch.Tensor, recent_s: torch.Tensor, recent_z: torch.Tensor,
     far_s: torch.Tensor, far_z: torch.Tensor, back_recent_s: torch.Tensor, back_recent_z: torch.Tensor,
     back_far_s: torch.Tensor, back_far_z: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
-    chunk_size: int, exact_chunks: int, feature_map: int, normalize: bool, has_real: bool, scale: float, eps: float,
+    arrivals: torch.Tensor, chunk_size: int, exact_chunks: int, feature_map: int, normalize: bool, has_real: bool,
+    scale: float, eps: float,
 ) -> torch.Tensor:
     """The kernel on a `DecodeState`'s tensors (`_STATE` order; contiguous, float32 summaries), the feature map by
     kernel id; `real` is read only with `has_real`. Returns the output (B, 1, H, Dv) in q's dtype."""
@@ -74,17 +75,19 @@ def decode_step_op(
     kv_heads, dv = k.shape[2], v.shape[-1]
     groups = heads // kv_heads
     bg, bd, bdv = MT.next_power_of_2(groups), MT.next_power_of_2(dim), MT.next_power_of_2(dv)
-    warps, elements = settings.SETTINGS.decode_launches[MT._p2(max(dim, dv))]
+    warps, elements, columns = settings.SETTINGS.decode_launches[MT._p2(max(dim, dv))]
+    bdv = min(bdv, columns)
     bk = max(1, min(bd, elements // (bg * bdv)))  # (query heads, D slice, Dv) products per summary
     bt = max(1, min(64, elements // (bg * max(bd, bdv))))  # window tokens per pass
+    splits = MT._cdiv(dv, bdv)
     out = MT._new(batch, 1, heads, dv, device=q.device, dtype=q.dtype)
-    wrap_triton(K._decode_step_kernel)[(batch * kv_heads,)](
+    wrap_triton(K._decode_step_kernel)[(batch * kv_heads, splits)](
         q, k, v, relative, position, real, cur_s, cur_z, recent_s, recent_z, far_s, far_z, back_recent_s,
-        back_recent_z, back_far_s, back_far_z, ring_k, ring_v, out, q.stride(0), q.stride(2), k.stride(0), k.stride(2),
-        v.stride(0), v.stride(2), kv_heads, groups, relative.shape[-1] if relative.dim() == 2 else 0,
+        back_recent_z, back_far_s, back_far_z, ring_k, ring_v, arrivals, out, q.stride(0), q.stride(2), k.stride(0),
+        k.stride(2), v.stride(0), v.stride(2), kv_heads, groups, relative.shape[-1] if relative.dim() == 2 else 0,
         ring_k.shape[1], scale, eps, W=relative.shape[-1], D=dim, DV=dv, NREC=recent_s.shape[2], C=chunk_size,
-        L=exact_chunks, BG=bg, BD=bd, BDV=bdv, BK=bk, BT=bt, PHI=feature_map, NORMALIZE=normalize, HAS_REAL=has_real,
-        num_warps=warps,
+        L=exact_chunks, BG=bg, BD=bd, BDV=bdv, SPLITS=splits, BK=bk, BT=bt, PHI=feature_map, NORMALIZE=normalize,
+        HAS_REAL=has_real, num_warps=warps,
     )
     return out
 

@@ -645,10 +645,10 @@ def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, ep
 
 @triton.jit
 def _decode_step_kernel(
-    Q, K, V, R, POS, REAL, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, BREC_S, BREC_Z, BFAR_S, BFAR_Z, RING_K, RING_V, O,
-    sqb, sqh, skb, skh, svb, svh, HKV, G, R_SH, SLOTS, scale, eps, W: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, NREC: tl.constexpr, C: tl.constexpr, L: tl.constexpr, BG: tl.constexpr,
-    BD: tl.constexpr, BDV: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PHI: tl.constexpr,
+    Q, K, V, R, POS, REAL, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, BREC_S, BREC_Z, BFAR_S, BFAR_Z, RING_K, RING_V,
+    ARRIVALS, O, sqb, sqh, skb, skh, svb, svh, HKV, G, R_SH, SLOTS, scale, eps, W: tl.constexpr, D: tl.constexpr,
+    DV: tl.constexpr, NREC: tl.constexpr, C: tl.constexpr, L: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
+    BDV: tl.constexpr, SPLITS: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PHI: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
     """One decoding token of one LM layer's `DecodeState` (`families.lm_state`) for batch row b and key head hk, all
@@ -656,10 +656,13 @@ def _decode_step_kernel(
     then the state's update, closing the chunk when the token completes it. The row's position and whether its
     token is real (REAL; all are without HAS_REAL) are read here and advanced by the caller.
 
-    One program owns every tensor slice it writes, so the update needs no second launch: the readout reads the
-    old summaries; a close first copies them to the rollback copies (BREC, BFAR), then, after a barrier, shifts
-    the recent ones from those copies. Summary tiles are (BK, Dv) slices of the (D, Dv) summaries."""
-    bh = tl.program_id(0)
+    SPLITS programs share a (row, key head), each owning BDV of the Dv value columns: its slices of the (D, Dv)
+    summaries, of the output and of the ring's values, which it reads and then updates with no second launch (a
+    close first copies the summaries to the rollback copies, BREC and BFAR, then, after a barrier, shifts the
+    recent ones from those copies). Every program reads all of the key sums z (the normaliser) and the ring's keys
+    (the window's scores); the one that arrives last at ARRIVALS[row] (an atomic count, left at 0) updates them,
+    when every other has read them."""
+    bh, split = tl.program_id(0), tl.program_id(1)
     b, hk = (bh // HKV).to(tl.int64), bh % HKV
     row = b * HKV + hk
     pos = tl.load(POS + b)
@@ -672,9 +675,11 @@ def _decode_step_kernel(
     gm = g < G
     h = hk * G + g
     rp = R + h * R_SH  # (BG,) each query head's relative mixing
-    e = tl.arange(0, BDV)
+    e = split * BDV + tl.arange(0, BDV)
     em = e < DV
     vx = tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0).to(tl.float32)
+    d = tl.arange(0, BD)
+    dm = d < D
 
     # the exact window (L > 0): the ring's tokens of the open chunk and the L − 1 before it, then the token itself;
     # an online softmax whose running max starts at 0 (the shift is at least 0)
@@ -682,8 +687,6 @@ def _decode_step_kernel(
     wacc = tl.zeros((BG, BDV), tl.float32)
     wsum = tl.zeros((BG,), tl.float32)
     if L > 0:
-        d = tl.arange(0, BD)
-        dm = d < D
         qx = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
         qx = qx.to(tl.float32) * (D ** -0.5)
         start = tl.maximum(pos // C - L + 1, 0) * C
@@ -713,64 +716,39 @@ def _decode_step_kernel(
         wsum = wsum * alpha + a
         top = new_top
 
-    # the summaries, by (BK, Dv) slices: readout, then the update
+    # the summaries, by (BK, BDV) tiles: readout, then the update of this program's columns
     num = tl.zeros((BG, BDV), tl.float32)
     den = tl.zeros((BG,), tl.float32)
     for d0 in tl.static_range(0, BD, BK):
         dk = d0 + tl.arange(0, BK)
         dkm = dk < D
         tile = dkm[:, None] & em[None, :]
-        shut = tile & close
         fq = tl.load(Q + b * sqb + h[:, None] * sqh + dk[None, :], mask=gm[:, None] & dkm[None, :], other=0.0)
         fq = tl.where(gm[:, None] & dkm[None, :], _phi(fq.to(tl.float32), PHI), 0.0) * scale
         fq = fq.to(tl.float32)  # (BG, BK) (torch.compile passes the Python float `scale` as a float64)
         fk = tl.where(dkm, _phi(tl.load(K + b * skb + hk * skh + dk, mask=dkm, other=0.0).to(tl.float32), PHI), 0.0)
-        s_at = (row * D + dk[:, None]) * DV + e[None, :]  # a (D, Dv) summary's tile
-        z_at = row * D + dk
-        cs = tl.load(CUR_S + s_at, mask=tile, other=0.0) + fk[:, None] * vx[None, :]
-        cz = tl.load(CUR_Z + z_at, mask=dkm, other=0.0) + fk
-        fs = tl.load(FAR_S + s_at, mask=tile, other=0.0)
-        fz = tl.load(FAR_Z + z_at, mask=dkm, other=0.0)
-        # the summaries mixed per query head first, so the φ(q) product reduces once per slice
+        at = dk[:, None] * DV + e[None, :]  # a tile of one (D, Dv) summary
+        cs = tl.load(CUR_S + row * D * DV + at, mask=tile, other=0.0) + fk[:, None] * vx[None, :]
+        cz = tl.load(CUR_Z + row * D + dk, mask=dkm, other=0.0) + fk
+        fs = tl.load(FAR_S + row * D * DV + at, mask=tile, other=0.0)
+        # the summaries mixed per query head first, so the φ(q) product reduces once per tile
         mixed = tl.zeros((BG, BK, BDV), tl.float32)
         mixed_z = tl.zeros((BG, BK), tl.float32)
         if L == 0:
             mixed, mixed_z = _decode_mix(mixed, mixed_z, cs, cz, tl.load(rp, mask=gm, other=0.0))
         if W - 1 >= L:
-            mixed, mixed_z = _decode_mix(mixed, mixed_z, fs, fz, tl.load(rp + W - 1, mask=gm, other=0.0))
+            mixed, mixed_z = _decode_mix(mixed, mixed_z, fs, tl.load(FAR_Z + row * D + dk, mask=dkm, other=0.0),
+                                         tl.load(rp + W - 1, mask=gm, other=0.0))
         for i in tl.static_range(NREC):
             if NREC - i >= L:  # distance NREC − i: read exactly in the window when nearer
-                rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
-                mixed, mixed_z = _decode_mix(mixed, mixed_z, tl.load(REC_S + rs_at, mask=tile, other=0.0),
-                                             tl.load(REC_Z + rz_at, mask=dkm, other=0.0),
+                at_i = (row * NREC + i) * D * DV + at
+                mixed, mixed_z = _decode_mix(mixed, mixed_z, tl.load(REC_S + at_i, mask=tile, other=0.0),
+                                             tl.load(REC_Z + (row * NREC + i) * D + dk, mask=dkm, other=0.0),
                                              tl.load(rp + NREC - i, mask=gm, other=0.0))
         num += tl.sum(fq[:, :, None] * mixed, 1)
         den += tl.sum(fq * mixed_z, 1)
-        tl.store(CUR_S + s_at, tl.where(close, 0.0, cs), mask=tile)
-        tl.store(CUR_Z + z_at, tl.where(close, 0.0, cz), mask=dkm)
-        # a close: the rollback copies, then (after the barrier) far += oldest, recent shifted, the open chunk last
-        tl.store(BFAR_S + s_at, fs, mask=shut)
-        tl.store(BFAR_Z + z_at, fz, mask=dkm & close)
-        for i in tl.static_range(NREC):
-            rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
-            tl.store(BREC_S + rs_at, tl.load(REC_S + rs_at, mask=shut, other=0.0), mask=shut)
-            tl.store(BREC_Z + rz_at, tl.load(REC_Z + rz_at, mask=dkm & close, other=0.0), mask=dkm & close)
-        tl.debug_barrier()
-        if NREC == 0:
-            tl.store(FAR_S + s_at, fs + cs, mask=shut)
-            tl.store(FAR_Z + z_at, fz + cz, mask=dkm & close)
-        else:
-            r0s, r0z = (row * NREC * D + dk[:, None]) * DV + e[None, :], row * NREC * D + dk
-            tl.store(FAR_S + s_at, fs + tl.load(BREC_S + r0s, mask=shut, other=0.0), mask=shut)
-            tl.store(FAR_Z + z_at, fz + tl.load(BREC_Z + r0z, mask=dkm & close, other=0.0), mask=dkm & close)
-            for i in tl.static_range(1, NREC):
-                rs_at, rz_at = ((row * NREC + i) * D + dk[:, None]) * DV + e[None, :], (row * NREC + i) * D + dk
-                before_s, before_z = rs_at - D * DV, rz_at - D
-                tl.store(REC_S + before_s, tl.load(BREC_S + rs_at, mask=shut, other=0.0), mask=shut)
-                tl.store(REC_Z + before_z, tl.load(BREC_Z + rz_at, mask=dkm & close, other=0.0), mask=dkm & close)
-            last_s = ((row * NREC + NREC - 1) * D + dk[:, None]) * DV + e[None, :]
-            tl.store(REC_S + last_s, cs, mask=shut)
-            tl.store(REC_Z + (row * NREC + NREC - 1) * D + dk, cz, mask=dkm & close)
+        tl.store(CUR_S + row * D * DV + at, tl.where(close, 0.0, cs), mask=tile)
+        _decode_close(FAR_S, REC_S, BFAR_S, BREC_S, row, at, D * DV, fs, cs, tile & close, NREC)
 
     if L > 0:  # the window's softmax weights and the summaries' linear ones, normalised together
         decay = tl.exp(-top)
@@ -782,10 +760,43 @@ def _decode_step_kernel(
     tl.store(O + (row * G + g[:, None]) * DV + e[None, :], out.to(O.dtype.element_ty), mask=gm[:, None] & em[None, :])
     # the token joins the ring (after the window read: its slot held a token older than the window)
     slot = (b * SLOTS + pos % SLOTS) * HKV + hk
-    d = tl.arange(0, BD)
-    dm = d < D
-    tl.store(RING_K + slot * D + d, tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0), mask=dm & adv)
     tl.store(RING_V + slot * DV + e, tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0), mask=em & adv)
+
+    # the key sums and the ring's keys, by the last program of the row to arrive
+    if SPLITS > 1:
+        tl.debug_barrier()  # every thread of this program has read them
+        last = tl.atomic_add(ARRIVALS + row, 1, sem="acq_rel") == SPLITS - 1
+        tl.store(ARRIVALS + row, 0, mask=last)
+    else:
+        last = pos == pos
+    zm = dm & last
+    fk = tl.where(dm, _phi(tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0).to(tl.float32), PHI), 0.0)
+    cz = tl.load(CUR_Z + row * D + d, mask=zm, other=0.0) + fk
+    tl.store(CUR_Z + row * D + d, tl.where(close, 0.0, cz), mask=zm)
+    _decode_close(FAR_Z, REC_Z, BFAR_Z, BREC_Z, row, d, D, tl.load(FAR_Z + row * D + d, mask=zm, other=0.0), cz,
+                  zm & close, NREC)
+    tl.store(RING_K + slot * D + d, tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0), mask=zm & adv)
+
+
+@triton.jit
+def _decode_close(FAR, REC, BFAR, BREC, row, at, size, far, cur, shut, NREC: tl.constexpr):
+    """A chunk close (where `shut`) of one part of a row's summaries, at offsets `at` within each of `size`
+    elements (a tile of the (D, Dv) ones, or the z ones), given the far and open chunk's values: the rollback
+    copies, then (after a barrier) far += oldest recent, the recent ones shifted, the open chunk last."""
+    tl.store(BFAR + row * size + at, far, mask=shut)
+    for i in tl.static_range(NREC):
+        at_i = (row * NREC + i) * size + at
+        tl.store(BREC + at_i, tl.load(REC + at_i, mask=shut, other=0.0), mask=shut)
+    tl.debug_barrier()
+    if NREC == 0:
+        tl.store(FAR + row * size + at, far + cur, mask=shut)
+    else:
+        tl.store(FAR + row * size + at, far + tl.load(BREC + row * NREC * size + at, mask=shut, other=0.0),
+                 mask=shut)
+        for i in tl.static_range(1, NREC):
+            at_i = (row * NREC + i) * size + at
+            tl.store(REC + at_i - size, tl.load(BREC + at_i, mask=shut, other=0.0), mask=shut)
+        tl.store(REC + (row * NREC + NREC - 1) * size + at, cur, mask=shut)
 
 
 @triton.jit

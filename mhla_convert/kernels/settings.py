@@ -107,12 +107,13 @@ class Settings:
     # enough that one token's work spreads over the SMs
     step_elements: int = 4096
     step_max_group: int = 8
-    # an LM layer's decoding step (`decode_triton`): one program per (row, key head) owns its state, so at batch 1
-    # only H_kv programs run and each is bound by its own latency. By the widest head dim: (warps, elements), where
-    # elements bounds its (query heads x summary rows x value columns) mixture and its (query heads x window
-    # tokens x head dim) products. They must stay in registers: at 128, 4 warps over 8192 elements spill
-    decode_launches: dict[int, tuple[int, int]] = field(
-        default_factory=lambda: {16: (4, 8192), 32: (4, 8192), 64: (4, 8192), 128: (8, 4096)})
+    # an LM layer's decoding step (`decode_triton`): each (row, key head) owns its state, so at batch 1 only H_kv
+    # of them run; their value columns are split over programs so that one token's work spreads over more SMs. By
+    # the widest head dim: (warps, elements, value columns per program), where elements bounds a program's (query
+    # heads x summary rows x value columns) mixture and its (query heads x window tokens x head dim) products,
+    # which must stay in registers
+    decode_launches: dict[int, tuple[int, int, int]] = field(
+        default_factory=lambda: {16: (4, 16384, 16), 32: (4, 16384, 16), 64: (4, 16384, 16), 128: (4, 16384, 32)})
     # a prompt's older-chunk sums at the start of decoding (`decode_triton`): tokens per program. 512 splits 32k
     # tokens of one row over 64 programs per key head, enough to fill the SMs at batch 1
     prompt_split_tokens: int = 512
