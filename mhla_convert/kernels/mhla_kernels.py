@@ -492,8 +492,13 @@ def _bwd_key_kernel(
                 do = _load_rows(DO + b * sdb + h * sdh, n, valid, sdn, e, em).to(tl.float32)
                 rinv = tl.load(wp + n, mask=valid, other=0.0)
                 dnum = do * rinv[:, None]
-                a = tl.where(tri, tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC), 0.0)
+                a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
                 g = tl.dot(dnum.to(dt), tl.trans(vv), input_precision=DOT_PREC)
+                if K.dtype.element_ty != tl.float32:  # half inputs: add the parts that rounding φ(q)·scale and dnum
+                    # to them dropped, so ∂/∂m_ii sums the float32 products the torch path does
+                    a += tl.dot((fq - fq.to(dt).to(tl.float32)).to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
+                    g += tl.dot((dnum - dnum.to(dt).to(tl.float32)).to(dt), tl.trans(vv), input_precision=DOT_PREC)
+                a = tl.where(tri, a, 0.0)
                 if NORMALIZE:  # + dden = −(do·o) / (den + eps)
                     g += (tl.load(wp + nt + n, mask=valid, other=0.0) * rinv)[:, None]
                 g = tl.where(tri, g, 0.0)
