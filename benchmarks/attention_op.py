@@ -2,10 +2,14 @@
 `chunk_linear_attn` when installed, with and without its normaliser — forward and forward+backward, over N for
 the target shapes.
 
-    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--out docs/bench/attention_op]
+    python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--timing eager,graph]
+        [--out docs/bench/attention_op]
 
-Prints a table (ms, median of CUDA-event timings after warm-up, via triton.testing.do_bench),
-writes <out>.csv and, with matplotlib, <out>.png (time vs N). A script, never a test.
+Each call is timed two ways (ms, medians after warm-up): `eager`, as a Python loop of calls
+(triton.testing.do_bench), which at small shapes measures the host's launch time as much as the GPU's; and
+`graph`, the calls captured in a CUDA graph and replayed (triton.testing.do_bench_cudagraph), as under
+torch.compile(mode="reduce-overhead"): the GPU time alone. Prints a table, writes <out>.csv and, with
+matplotlib, <out>.png (time vs N). A script, never a test.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from datetime import date
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from mhla_convert.mixing import locality_mixing
 from mhla_convert.ops import mhla_attention
@@ -34,8 +38,14 @@ SHAPES = {
 CHUNK = 64
 
 
-def _time(fn) -> float:
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+def _time(fn, timing: str) -> float:
+    if timing == "eager":
+        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+    try:
+        return do_bench_cudagraph(fn, rep=200, return_mode="median")
+    except RuntimeError as err:  # a call that cannot be captured (a host synchronisation) has no graph time
+        print(f"  no CUDA graph: {str(err).splitlines()[0]}", flush=True)
+        return float("nan")
 
 
 def _fwd_bwd(fn, inputs):
@@ -49,7 +59,7 @@ def _fwd_bwd(fn, inputs):
     return run
 
 
-def bench_row(family, heads, dim, grid, blocks, dtype):
+def bench_row(family, heads, dim, grid, blocks, dtype, timings):
     causal = family == "causal"
     n = math.prod(grid)
     dev = "cuda"
@@ -79,9 +89,11 @@ def bench_row(family, heads, dim, grid, blocks, dtype):
             pass
     row = dict(family=family, N=n, grid="x".join(map(str, grid)), M=mixing.shape[-1], H=heads, D=dim)
     for name, (fn, inputs) in variants.items():
-        with torch.no_grad():
-            row[f"{name}_fwd"] = _time(fn)
-        row[f"{name}_fwdbwd"] = _time(_fwd_bwd(fn, inputs))
+        for timing in timings:
+            suffix = "" if timing == "eager" else f"_{timing}"
+            with torch.no_grad():
+                row[f"{name}_fwd{suffix}"] = _time(fn, timing)
+            row[f"{name}_fwdbwd{suffix}"] = _time(_fwd_bwd(fn, inputs), timing)
     return row
 
 
@@ -89,13 +101,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="wan,dit,sana,causal")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--timing", default="eager,graph", help="eager, graph or both (comma-separated)")
     ap.add_argument("--out", default="docs/bench/attention_op")
     args = ap.parse_args()
+    timings = [t for t in args.timing.split(",") if t]
+    if not timings or set(timings) - {"eager", "graph"}:
+        ap.error("--timing takes eager, graph or eager,graph")
     rows = []
     for family in args.shapes.split(","):
         heads, dim, sizes = SHAPES[family]
         for grid, blocks in sizes:
-            rows.append(bench_row(family, heads, dim, grid, blocks, parse_dtype(args.dtype)))
+            rows.append(bench_row(family, heads, dim, grid, blocks, parse_dtype(args.dtype), timings))
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
     keys = sorted({k for r in rows for k in r}, key=lambda k: list(rows[-1]).index(k) if k in rows[-1] else 99)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -104,7 +120,7 @@ def main():
         w.writeheader()
         w.writerows(rows)
     print(f"\n{date.today()} {torch.cuda.get_device_name()} {args.dtype}, batch 1, ms (median)")
-    timed = [k for k in keys if k.endswith(("_fwd", "_fwdbwd"))]
+    timed = [k for k in keys if k.endswith(("_fwd", "_fwdbwd", "_fwd_graph", "_fwdbwd_graph"))]
     print("| family | N | M | " + " | ".join(timed) + " |")
     for r in rows:
         cells = " | ".join(f"{r[k]:.3f}" if k in r else "-" for k in timed)
