@@ -8,27 +8,13 @@ same cases run compiled, plus the Llama and Qwen3 shapes. The output buffer is f
 element left unwritten fails.
 """
 
-import os
-
 import pytest
 import torch
+from triton_marks import CUDA, DEVICE, gpu, run
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-
-from mhla_convert.families.lm_state import DecodeState  # noqa: E402
-from mhla_convert.kernels import decode_triton  # noqa: E402
-from mhla_convert.kernels.mhla_kernels import _decode_step_kernel  # noqa: E402
-from mhla_convert.ops.dispatch import select  # noqa: E402
-
-INTERPRETED = type(_decode_step_kernel).__name__ == "InterpretedFunction"
-CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if CUDA else "cpu"
-run = pytest.mark.skipif(not (INTERPRETED or CUDA), reason="needs CUDA, or TRITON_INTERPRET=1 before Triton loads")
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
-
+from mhla_convert.families.lm_state import DecodeState
+from mhla_convert.kernels import decode_triton
+from mhla_convert.ops.dispatch import select
 
 pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 

@@ -6,31 +6,16 @@ tiny shapes; on CUDA the same cases run compiled, plus realistic LM shapes. Ever
 filled with NaN first, so an element left unwritten fails.
 """
 
-import os
-
 import pytest
 import torch
+from triton_marks import DEVICE, INTERPRETED, gpu, run
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
-
-from mhla_convert.kernels import exact_triton  # noqa: E402
-from mhla_convert.mixing import toeplitz_causal_mixing  # noqa: E402
-from mhla_convert.ops import BlockLayout, mhla_attention  # noqa: E402
-from mhla_convert.ops.dispatch import select  # noqa: E402
-from mhla_convert.ops.exact_local import exact_attention_op, mhla_attention_exact_local_torch  # noqa: E402
-from mhla_convert.ops.feature_maps import FEATURE_MAPS  # noqa: E402
-
-# (interpreted only when this process set TRITON_INTERPRET before anything imported Triton; test_kernels.py runs
-# its cases in a subprocess otherwise, these are simply skipped)
-INTERPRETED = type(exact_triton._exact_forward_kernel).__name__ == "InterpretedFunction"
-CUDA = torch.cuda.is_available() and not INTERPRETED
-DEVICE = "cuda" if CUDA else "cpu"
-run = pytest.mark.skipif(not (INTERPRETED or CUDA), reason="needs CUDA, or TRITON_INTERPRET=1 before Triton loads")
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
-
+from mhla_convert.kernels import exact_triton
+from mhla_convert.mixing import toeplitz_causal_mixing
+from mhla_convert.ops import BlockLayout, mhla_attention
+from mhla_convert.ops.dispatch import select
+from mhla_convert.ops.exact_local import exact_attention_op, mhla_attention_exact_local_torch
+from mhla_convert.ops.feature_maps import FEATURE_MAPS
 
 pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 
