@@ -113,6 +113,10 @@ def _assert_close(name, got, want, own, tol):
     assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in its dtype: {bound / 2:.1e})"
 
 
+# bf16: the mixing gradient's own floor, causal as non-causal (its errors are 1.1-2x the torch path's own)
+MIXING_TOL = {torch.bfloat16: 4e-3}
+
+
 def _compare(case, dtype, device, tol):
     torch.manual_seed(0)
     tensors = _inputs(case, dtype, device)
@@ -124,13 +128,28 @@ def _compare(case, dtype, device, tol):
     got = _run(case, tensors, "triton", grad_out.to(dtype))
     own = _run(case, tensors, "torch", grad_out.to(dtype)) if dtype != torch.float32 else [None] * len(got)
     for name, g, w, o in zip(("out", "dq", "dk", "dv", "dmixing"), got, want, own):
-        _assert_close(name, g, w, o, tol)
+        _assert_close(name, g, w, o, min(tol, MIXING_TOL.get(dtype, tol)) if name == "dmixing" else tol)
 
 
 @interp
 @pytest.mark.parametrize("name", CASES)
 def test_interpreter_matches_torch(name):
     _compare(CASES[name], torch.float32, "cpu", 1e-5)
+
+
+@interp
+def test_interpreter_half_causal_mixing_gradient():
+    """fp16 under the interpreter (its products are exact): the causal mixing gradient within 1.5x of the torch
+    path's own error. That needs the query side's output at float32 precision (a chunk's ∂/∂m_ii is the
+    difference of two large sums) and the mixing GEMM's float32 summaries in hi + lo parts."""
+    case = CASES["causal-ragged-gqa"]
+    torch.manual_seed(0)
+    tensors = _inputs(case, torch.float16, "cpu")
+    grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1])
+    want = _run(case, [t.detach().float().requires_grad_() for t in tensors], "torch", grad_out)[-1]
+    got, own = (_run(case, tensors, backend, grad_out.half())[-1] for backend in ("triton", "torch"))
+    err, own_err = (((x - want).norm() / want.norm()).item() for x in (got, own))
+    assert err < 1.5 * own_err, f"mixing gradient: relative error {err:.2e}, the torch path's {own_err:.2e}"
 
 
 @interp

@@ -384,14 +384,17 @@ def _bwd_query_kernel(
     sdn: tl.constexpr, sdh: tl.constexpr, H, HKV_GROUP, HMIX_GROUP, HMIX, M, COLS: tl.constexpr, MIX_SH, scale, eps, L0,
     L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB1, NB2, T, D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr, NORMALIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, TILES_PER_PROG: tl.constexpr, RECOMPUTE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """dq for token tiles of block i of query head h (S̃_i loaded once), and per token W[b, h, 0, n] =
     1/(den + eps), W[b, h, 1, n] = −do·o, from which the summaries kernel (WEIGHTED) makes dS̃ and dz̃ and
     the key side its own-chunk terms. With o = num / (den + eps): dnum = do / (den + eps), dden = −(do·o) / (den + eps),
     dφ(q) = S̃_i dnum + z̃_i dden; causal adds the own-chunk terms through dA = m_ii (dnum vᵀ + dden).
     Unnormalised: W = (1, 0). No accumulator across tiles, so nothing limits the programs per SM but
-    the tiles (the dS̃ accumulator in here held one program per SM at 255 registers)."""
+    the tiles (the dS̃ accumulator in here held one program per SM at 255 registers).
+    RECOMPUTE (causal, normalised, half inputs): o at float32 precision instead of the stored half one. The
+    own-chunk part of ∂/∂m_ii is Σ A ⊙ (dnum vᵀ + dden), two large terms that cancel (a first chunk's o does
+    not depend on m_ii at all), so do·o must be the same sum the key side's A and dnum make, not its rounding."""
     _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
@@ -421,9 +424,20 @@ def _bwd_query_kernel(
             den = tl.sum(fq * zt[None, :], 1)
             if CAUSAL:
                 a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
-                den += mii * tl.sum(tl.where(tri, a, 0.0), 1)
+                if RECOMPUTE:  # a as the key side makes it, from φ(q)·scale in hi + lo parts
+                    fq_lo = (fq - fq.to(dt).to(tl.float32)).to(dt)
+                    a += tl.dot(fq_lo, tl.trans(fk.to(dt)), input_precision=DOT_PREC)
+                a = tl.where(tri, a, 0.0) * mii
+                den += tl.sum(a, 1)
             rinv = 1.0 / (den + eps)
-            o = _load_rows(O + b * sob + h * soh, n, valid, son, e, em).to(tl.float32)
+            if RECOMPUTE:
+                num = tl.dot(fq.to(dt), st, tl.dot(fq_lo, st, input_precision=DOT_PREC), input_precision=DOT_PREC)
+                a_hi = a.to(dt)
+                num = tl.dot(a_hi, vv, num, input_precision=DOT_PREC)
+                num = tl.dot((a - a_hi.to(tl.float32)).to(dt), vv, num, input_precision=DOT_PREC)
+                o = num * rinv[:, None]
+            else:
+                o = _load_rows(O + b * sob + h * soh, n, valid, son, e, em).to(tl.float32)
             ndo = -tl.sum(do * o, 1)
             dden = ndo * rinv
             dnum = do * rinv[:, None]

@@ -309,7 +309,8 @@ class _Launches:
     @cached_property
     def bwd_queries(self):
         p, (qs, ks, vs, os_) = self.p, self._strides()
-        return self._tokens("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **self._heads_kw())
+        return self._tokens("bwd_queries", p.heads, (*qs, *ks, *vs, *os_, *os_, p.heads), **self._heads_kw(),
+                            RECOMPUTE=p.causal and p.normalize and p.half_inputs)
 
     @cached_property
     def bwd_summaries(self):
