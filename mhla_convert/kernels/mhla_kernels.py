@@ -208,7 +208,10 @@ def _mix_kernel(
     R: tl.constexpr, MASK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles.
+    """OUT[b, o] = Σ_{r<R} A_p @ X[b, p // GX] with p = o·R + r, over M × COLS column tiles. A float32 X
+    with a half OUT goes in hi + lo half parts, three half-precision products in all (lo · lo is below
+    both's precision): a (K × COLS) row-major float32 tile is no tf32 tensor-core operand on Hopper (whose
+    tf32 operands must be K-contiguous), and its product ran at float32 FMA speed, several times slower.
 
     Forward: A = mixing, X = summaries. Backward: A = mixingᵀ (strides swapped), X = dS̃, and R
     sums the query heads that share a key head. MASK 1 keeps A[i, k] for k < i, 2 for k > i (the
@@ -241,6 +244,10 @@ def _mix_kernel(
                 x = tl.load(
                     xp + kk[:, None] * COLS + c[None, :], mask=(kk < M)[:, None] & (c < COLS)[None, :], other=0.0
                 )
+                if X.dtype.element_ty == tl.float32 and OUT.dtype.element_ty != tl.float32:
+                    x_hi = x.to(OUT.dtype.element_ty)
+                    acc = tl.dot(a.to(x_hi.dtype), (x - x_hi.to(tl.float32)).to(x_hi.dtype), acc)
+                    x = x_hi
                 acc = _mix_dot(a, x, acc, DOT_PREC)
     out = OUT + b * o_sb + o * o_sh + i[:, None] * COLS + c[None, :]
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=(i < M)[:, None] & (c < COLS)[None, :])
@@ -480,8 +487,8 @@ def _bwd_key_kernel(
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     dsp = DS + (bh * M + m).to(tl.int64) * COLS
-    ds = tl.load(dsp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0).to(K.dtype.element_ty)
-    dt = ds.dtype  # (the input's: dS may be float32)
+    ds = tl.load(dsp + d[:, None] * DV + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
+    dt = ds.dtype  # (the inputs' dtype)
     if NORMALIZE:
         dz = tl.load(dsp + D * DV + d, mask=dm, other=0.0).to(tl.float32)
     nt = L0 * L1 * L2

@@ -338,7 +338,7 @@ class _Launches:
         """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
         p = self.p
         tile, bk, warps = settings.SETTINGS.dmix_tiles
-        bm = bn = tile if p.m > 32 else 32
+        bm = bn = min(tile, max(32, _p2(p.m)))
         tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
         splits = max(1, min(_cdiv(p.cols, bk), _cdiv(p.wanted, p.batch * p.mix_heads * tiles)))
         split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
@@ -474,13 +474,12 @@ def _bwd_summaries(p: _Plan, q, do, w, f: _Launches):
 
 
 def _mix_t(p: _Plan, mixing, dst, s, dtype, f: _Launches):
-    """dS = mixingᵀ dS̃, and the mixing gradient's partials when the one-tile kernel makes them in the same
-    pass (else None). That kernel writes dS in the mixed summaries' half `dtype` (the key side reads it as a
-    matmul operand in that precision anyway); the row-tiled one in float32 (a bf16 dS from that kernel costs
-    it more than the key side's half-precision reads save)."""
+    """dS = mixingᵀ dS̃ in the mixed summaries' `dtype` (the key side reads it as a matmul operand in that
+    precision anyway), and the mixing gradient's partials when the one-tile kernel makes them in the same
+    pass (else None)."""
     fn, (grid, _, _) = f.mix_t
     one_tile = fn is K._mix_sweep_kernel
-    ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype if one_tile else torch.float32)
+    ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype)
     part = _new(grid[0] * grid[1], p.m, p.m, device=dst.device, dtype=torch.float32) if one_tile else None
     _mix(p, mixing, dst, ds, kind="mix_t", f=f, s=s, part=part)
     return ds, part

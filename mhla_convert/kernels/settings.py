@@ -94,13 +94,15 @@ class Settings:
     # program, so no summary column is read twice. Other M (at M ≤ 16 the row-tiled kernel is as fast), float32
     # inputs and grouped heads take `_mix_kernel`
     mix_sweep: dict[tuple[int, str], tuple[int, int, int, int]] = field(default_factory=_mix_sweep)
-    # the row-tiled mixing GEMM (`_mix_kernel`): BM, BN, BK, warps; few rows, as M is small
-    mix_tiles: tuple[int, int, int, int] = (32, 128, 32, 4)
+    # the row-tiled mixing GEMM (`_mix_kernel`): BM, BN, BK, warps. Each row tile reads its summary columns again,
+    # so 64 rows read them half as often as 32; 128 rows take 8 warps and gain nothing over 64
+    mix_tiles: tuple[int, int, int, int] = (64, 128, 32, 4)
     # inference with at least this many blocks mixes half summaries with torch.matmul: a large M x M mixing is
     # a real GEMM, where cuBLAS's tiling beats both mixing kernels; at M ≤ 128 it gains nothing
     matmul_mix_min_blocks: int = 256
-    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (32 where M ≤ 32), BK, warps
-    dmix_tiles: tuple[int, int, int] = (64, 32, 4)
+    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (at most p2(M), at least 32), BK, warps.
+    # 128 x 128 tiles read each column of dS̃ and S half as often as 64 x 64 ones
+    dmix_tiles: tuple[int, int, int] = (128, 32, 4)
     # the partials' fixed-order sum (`_sum_partials_kernel`): rows, columns, warps
     sum_tiles: tuple[int, int, int] = (64, 32, 4)
     # the decoding step: (query heads x D x value columns) per program, and query heads per program: small
