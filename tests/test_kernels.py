@@ -276,15 +276,16 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
         assert err < 2e-5, f"{name}: relative error {err:.1e} (a sum or W[1] rounded to half precision?)"
 
 
+@pytest.mark.parametrize("one_tile", [True, False], ids=["one-tile", "row-tiled"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
-    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient): hi + lo
-    hold them to 16 significant bits, and that kernel's gradient partials ⟨dS̃_i, S_j⟩ (dS̃ as halves too)
-    use both parts: within 1e-3 of float64 in bf16 (the rounded parts alone: ~2e-3), 1e-5 under the
-    interpreter in fp16 (~2e-4)."""
+def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
+    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient, or the row-tiled
+    kernels mix many blocks): hi + lo hold them to 16 significant bits, and the mixing gradient's partials
+    ⟨dS̃_i, S_j⟩ (dS̃ as halves too) use both parts: within 1e-3 of float64 in bf16 (the rounded parts alone:
+    ~2e-3), 1e-5 under the interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
+    _settings(monkeypatch, **(dict(mix_sweep=ONE_TILE_16) if one_tile else dict(hilo_min_blocks=1)))
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -303,9 +304,13 @@ def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
     assert s.shape == (2, *want.shape) and ((got - want).norm() / want.norm()) < 1e-4
     dst = torch.randn(*want.shape, device=device)
     dst_hi = dst.to(dtype)  # (dS̃ as the dS̃ launch leaves it: hi + lo halves)
-    _, part = mhla_triton._mix_t(plan, mixing, torch.stack([dst_hi, (dst - dst_hi.float()).to(dtype)]), s, dtype, f)
-    grad = part.view(heads, batch, -1, plan.m, plan.m).sum(2).transpose(0, 1).double()  # (head, batch, split) rows
+    halves = torch.stack([dst_hi, (dst - dst_hi.float()).to(dtype)])
     want_grad = torch.einsum("bhic,bhjc->bhij", dst.double(), want)
+    if one_tile:
+        _, part = mhla_triton._mix_t(plan, mixing, halves, s, dtype, f)
+        grad = part.view(heads, batch, -1, plan.m, plan.m).sum(2).transpose(0, 1).double()  # (head, batch, split)
+    else:  # (shared mixing: the partials summed over batch and heads)
+        grad, want_grad = mhla_triton._mixing_grad(plan, halves, s, None, None, f).double(), want_grad.sum((0, 1))
     err = ((grad - want_grad).norm() / want_grad.norm()).item()
     assert err < (1e-3 if CUDA else 1e-5), f"mixing gradient partials: relative error {err:.1e} (lo not added?)"
 
@@ -334,6 +339,30 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     assert (mhla_triton.K._dmix_kernel in [fn for fn, _ in launched]) == grouped
     hilo = [kw.get("HILO", False) for fn, kw in launched if fn is mhla_triton.K._summaries_kernel]
     assert hilo == [not grouped] * 2  # (S and dS̃ as hi + lo halves where the one-tile kernel makes the gradient)
+
+
+@pytest.mark.parametrize("name", ["causal-ragged-gqa", "causal-blocks", "3d-odd-grid-gqa-per-head-elu-unnorm"])
+def test_row_tiled_mixing_over_hi_lo_halves(name, monkeypatch):
+    """Training's summaries and dS̃ as hi + lo halves with the row-tiled mixing kernels (shipped from many
+    blocks, here forced on few): the mixings read hi, the mixing gradient's partials take both halves of both,
+    and per-head mixing over grouped key heads finds each buffer's lo half (half inputs: fp16 under the
+    interpreter, bf16 on a GPU)."""
+    if not (INTERPRETED or CUDA):
+        pytest.skip("needs the interpreter or a GPU")
+    _settings(monkeypatch, hilo_min_blocks=1)
+    launched, real_run = [], mhla_triton._run
+    monkeypatch.setattr(
+        mhla_triton,
+        "_run",
+        lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
+    )
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    _compare(CASES[name], dtype, "cuda" if CUDA else "cpu", TOL[dtype])
+    kernels = {fn for fn, _ in launched}
+    assert mhla_triton.K._mix_sweep_kernel not in kernels and mhla_triton.K._mix_kernel in kernels
+    halves = (mhla_triton.K._summaries_kernel, mhla_triton.K._dmix_kernel)
+    hilo = [kw.get("HILO", False) for fn, kw in launched if fn in halves]
+    assert hilo == [True] * 3  # (S and dS̃ written as halves, the partials made from them)
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
@@ -383,6 +412,8 @@ FAMILY_CASES = {
     "sana-d32-unnorm": ((33, 31), (4, 4), None, False, 6, 6, 32, 32, False, False, "relu"),
     "llm-d64-causal-gqa": ((1000,), None, 64, True, 8, 2, 64, 64, False, False, "relu"),
     "llm-d64-causal-per-head-elu": ((777,), None, 64, True, 4, 4, 64, 64, True, True, "elu"),
+    # 512 chunks: training's summaries as hi + lo halves for the row-tiled mixing kernels
+    "causal-512-chunks-per-head-gqa": ((8190,), None, 16, True, 4, 2, 16, 16, True, True, "elu"),
     "d64-per-head-gqa-elu": ((24, 20), (4, 4), None, False, 4, 2, 64, 64, True, True, "elu"),
 }
 

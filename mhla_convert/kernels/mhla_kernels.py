@@ -536,9 +536,11 @@ def _bwd_key_kernel(
 def _dmix_kernel(
     DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT, SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
+    HILO: tl.constexpr = False, LO_A=0, LO_X=0,
 ):
     """PART[(p, b, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser), summed
-    by `_sum_partials_kernel`."""
+    by `_sum_partials_kernel`. HILO: dS̃ and S as two halves each (their lo halves LO_A and LO_X elements on),
+    the product as three half-precision ones (lo · lo is below both's precision)."""
     _chained(PDL)
     pid, pi, pj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     sp, pb = pid % SPLIT, pid // SPLIT
@@ -555,9 +557,16 @@ def _dmix_kernel(
     if live:
         for c0 in range(0, SPLIT_COLS, BK):
             c = sp * SPLIT_COLS + c0 + tl.arange(0, BK)
-            a = tl.load(ap + i[:, None] * COLS + c[None, :], mask=(i < M)[:, None] & (c < COLS)[None, :], other=0.0)
-            x = tl.load(xp + jj[None, :] * COLS + c[:, None], mask=(jj < M)[None, :] & (c < COLS)[:, None], other=0.0)
-            acc += tl.dot(a, x.to(tl.float32), input_precision=DOT_PREC)
+            a_off, amask = i[:, None] * COLS + c[None, :], (i < M)[:, None] & (c < COLS)[None, :]
+            x_off, xmask = jj[None, :] * COLS + c[:, None], (jj < M)[None, :] & (c < COLS)[:, None]
+            a = tl.load(ap + a_off, mask=amask, other=0.0)
+            x = tl.load(xp + x_off, mask=xmask, other=0.0)
+            if HILO:
+                acc = tl.dot(a, x, acc)
+                acc = tl.dot(a, tl.load(xp + LO_X + x_off, mask=xmask, other=0.0), acc)
+                acc = tl.dot(tl.load(ap + LO_A + a_off, mask=amask, other=0.0), x, acc)
+            else:
+                acc += tl.dot(a, x.to(tl.float32), input_precision=DOT_PREC)
     if STRICT:
         acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
     tl.store(

@@ -275,23 +275,27 @@ class _Launches:
 
     @cached_property
     def hilo(self) -> bool:
-        """Training's summaries and dS̃ as hi + lo halves: where only the one-tile mixing gradient reads them whole
-        (its mixing heads are the key heads: both have the same size) and no block is split over programs."""
-        return (self.p.half_inputs and not self.summaries[2]["ATOMIC"] and not self._bwd_summaries_float[2]["ATOMIC"]
-                and self._mix_t_halves[0] is K._mix_sweep_kernel)
+        """Training's summaries and dS̃ as hi + lo halves, for half inputs where no block is split over programs:
+        where the one-tile kernel makes the mixing gradient, or the row-tiled kernels mix many blocks
+        (`Settings.hilo_min_blocks`). Only the mixing gradient reads them whole; the mixings read hi."""
+        p = self.p
+        if not p.half_inputs or self.summaries[2]["ATOMIC"] or self._bwd_summaries_float[2]["ATOMIC"]:
+            return False
+        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= settings.SETTINGS.hilo_min_blocks
 
     @cached_property
     def _mix_t_halves(self):
         return _mix_launch(self.p, "mix_t")
 
-    def _lo(self) -> dict:
+    def _lo(self, heads: int) -> dict:
+        """HILO and the lo half's offset in a (2, B, heads, M, COLS) halves buffer."""
         p = self.p
-        return dict(HILO=True, LO=p.batch * p.kv_heads * p.m * p.cols)
+        return dict(HILO=True, LO=p.batch * heads * p.m * p.cols)
 
     @cached_property
     def summaries_hilo(self):
         grid, ints, kw = self.summaries
-        return grid, ints, {**kw, **self._lo()}
+        return grid, ints, {**kw, **self._lo(self.p.kv_heads)}
 
     @cached_property
     def readout(self):
@@ -317,14 +321,16 @@ class _Launches:
         if not self.hilo:
             return self._bwd_summaries_float
         grid, ints, kw = self._bwd_summaries_float
-        return grid, ints, {**kw, **self._lo()}
+        return grid, ints, {**kw, **self._lo(self.p.mix_heads)}
 
     @cached_property
     def mix_t(self):
         if not self.hilo:  # float32 dS̃ and summaries: their own setting (the tiles take twice the room)
             return _mix_launch(self.p, "mix_t_float")
         fn, (grid, ints, kw) = self._mix_t_halves
-        return fn, (grid, ints, {**kw, **self._lo()})
+        if fn is not K._mix_sweep_kernel:  # (the row-tiled kernel reads dS̃'s hi half)
+            return fn, (grid, ints, kw)
+        return fn, (grid, ints, {**kw, **self._lo(self.p.kv_heads)})  # (one tile: mixing heads are the key heads)
 
     @cached_property
     def bwd_keys(self):
@@ -344,6 +350,8 @@ class _Launches:
         split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
         splits = _cdiv(p.cols, split_cols)
         kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
+        if self.hilo:  # dS̃ and S as halves: their lo halves' offsets
+            kw.update(HILO=True, LO_A=self._lo(p.mix_heads)["LO"], LO_X=self._lo(p.kv_heads)["LO"])
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
         return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw
 
@@ -436,10 +444,11 @@ def _mix_matmul(p: _Plan, mixing, s):
     return torch.matmul(mix.view(p.kv_heads, g, p.m, p.m), s.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
 
 
-def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches):
-    """S̃ = mixing @ S in the inputs' `dtype`, from any of `_summaries`'s forms (of hi + lo, the rounded sums)."""
+def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches, inference: bool):
+    """S̃ = mixing @ S in the inputs' `dtype`, from any of `_summaries`'s forms (of hi + lo, the rounded sums).
+    Training keeps the mixing weights' float32 precision in the product, which `_mix_matmul` does not."""
     s = s[0] if s.dim() == 5 else s
-    if s.dtype == dtype != torch.float32 and p.m >= settings.SETTINGS.matmul_mix_min_blocks:
+    if inference and s.dtype == dtype != torch.float32 and p.m >= settings.SETTINGS.matmul_mix_min_blocks:
         return _mix_matmul(p, mixing, s)
     return _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=s.device, dtype=dtype),
                 kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
@@ -447,7 +456,7 @@ def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches):
 
 def _forward(p: _Plan, q, k, v, mixing, f: _Launches, half_summaries: bool = False):
     s = _summaries(p, k, v, half_summaries, f)
-    st = _mix_summaries(p, mixing, s, q.dtype, f)
+    st = _mix_summaries(p, mixing, s, q.dtype, f, inference=half_summaries)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
     _run(K._readout_kernel, f.readout, (q, k, v, st, mixing, o))
     return s, st, o
