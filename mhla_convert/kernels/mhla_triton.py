@@ -14,7 +14,7 @@ The summaries at float32 precision and the mixed ones (in the input dtype for ha
 matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far below the
 activations for M ≪ N. Training keeps that precision for the mixing gradient (with half summaries the
 rounding does not average out of it over few blocks): float32, or, where the one-tile kernel makes
-the gradient, hi + lo half parts of which the forward's mixing reads only hi (`_summaries`). Inference
+the gradient or many blocks are mixed, hi + lo half parts of which the mixings read only hi (`_summaries`). Inference
 (no autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one
 tile of all M blocks (M ≤ 128) or, for many blocks, with torch.matmul.
 
