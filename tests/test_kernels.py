@@ -315,15 +315,11 @@ def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
     assert err < (1e-3 if CUDA else 1e-5), f"mixing gradient partials: relative error {err:.1e} (lo not added?)"
 
 
-@pytest.mark.parametrize("name", ["2d-odd-grid", "1d-gqa-shared", "3d-odd-grid-gqa-per-head-elu-unnorm",
-                                  "causal-per-head-elu-unnorm", "causal-blocks"])
-def test_one_tile_mixing_in_training(name, monkeypatch):
-    """Training through the one-tile mixing kernel: the forward over float32 summaries, and the transposed
-    mixing with the mixing gradient in the same pass (half inputs: fp16 under the interpreter, whose bf16
-    tl.dot is wrong in Triton 3.6, bf16 on a GPU); grouped mixing heads keep the tiled kernels."""
+def _half_training_launches(case, monkeypatch):
+    """A half-precision training step of `case` checked against the torch path (fp16 under the interpreter, whose
+    bf16 tl.dot is wrong in Triton 3.6; bf16 on a GPU): (kernel, keyword arguments) of each of its launches."""
     if not (INTERPRETED or CUDA):
         pytest.skip("needs the interpreter or a GPU")
-    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
     launched, real_run = [], mhla_triton._run
     monkeypatch.setattr(
         mhla_triton,
@@ -331,8 +327,18 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
         lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
     )
     dtype = torch.bfloat16 if CUDA else torch.float16
-    case = CASES[name]
     _compare(case, dtype, "cuda" if CUDA else "cpu", TOL[dtype])
+    return launched
+
+
+@pytest.mark.parametrize("name", ["2d-odd-grid", "1d-gqa-shared", "3d-odd-grid-gqa-per-head-elu-unnorm",
+                                  "causal-per-head-elu-unnorm", "causal-blocks"])
+def test_one_tile_mixing_in_training(name, monkeypatch):
+    """Training through the one-tile mixing kernel: the forward over float32 summaries, and the transposed
+    mixing with the mixing gradient in the same pass (half inputs); grouped mixing heads keep the tiled kernels."""
+    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
+    case = CASES[name]
+    launched = _half_training_launches(case, monkeypatch)
     sweeps = [kw["GRAD"] for fn, kw in launched if fn is mhla_triton.K._mix_sweep_kernel]
     grouped = case[8] and case[4] != case[5]  # per-head mixing over grouped key heads: dS sums several heads
     assert False in sweeps and (True in sweeps) != grouped
@@ -345,19 +351,9 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
 def test_row_tiled_mixing_over_hi_lo_halves(name, monkeypatch):
     """Training's summaries and dS̃ as hi + lo halves with the row-tiled mixing kernels (shipped from many
     blocks, here forced on few): the mixings read hi, the mixing gradient's partials take both halves of both,
-    and per-head mixing over grouped key heads finds each buffer's lo half (half inputs: fp16 under the
-    interpreter, bf16 on a GPU)."""
-    if not (INTERPRETED or CUDA):
-        pytest.skip("needs the interpreter or a GPU")
+    and per-head mixing over grouped key heads finds each buffer's lo half (half inputs)."""
     _settings(monkeypatch, hilo_min_blocks=1)
-    launched, real_run = [], mhla_triton._run
-    monkeypatch.setattr(
-        mhla_triton,
-        "_run",
-        lambda fn, launch, t, *rest: launched.append((fn, launch[2])) or real_run(fn, launch, t, *rest),
-    )
-    dtype = torch.bfloat16 if CUDA else torch.float16
-    _compare(CASES[name], dtype, "cuda" if CUDA else "cpu", TOL[dtype])
+    launched = _half_training_launches(CASES[name], monkeypatch)
     kernels = {fn for fn, _ in launched}
     assert mhla_triton.K._mix_sweep_kernel not in kernels and mhla_triton.K._mix_kernel in kernels
     halves = (mhla_triton.K._summaries_kernel, mhla_triton.K._dmix_kernel)
