@@ -287,15 +287,15 @@ class _Launches:
     def _mix_t_halves(self):
         return _mix_launch(self.p, "mix_t")
 
-    def _lo(self, heads: int) -> dict:
-        """HILO and the lo half's offset in a (2, B, heads, M, COLS) halves buffer."""
+    def _lo(self, heads: int) -> int:
+        """The lo half's offset in a (2, B, heads, M, COLS) halves buffer."""
         p = self.p
-        return dict(HILO=True, LO=p.batch * heads * p.m * p.cols)
+        return p.batch * heads * p.m * p.cols
 
     @cached_property
     def summaries_hilo(self):
         grid, ints, kw = self.summaries
-        return grid, ints, {**kw, **self._lo(self.p.kv_heads)}
+        return grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)}
 
     @cached_property
     def readout(self):
@@ -321,7 +321,7 @@ class _Launches:
         if not self.hilo:
             return self._bwd_summaries_float
         grid, ints, kw = self._bwd_summaries_float
-        return grid, ints, {**kw, **self._lo(self.p.mix_heads)}
+        return grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.mix_heads)}
 
     @cached_property
     def mix_t(self):
@@ -330,7 +330,7 @@ class _Launches:
         fn, (grid, ints, kw) = self._mix_t_halves
         if fn is not K._mix_sweep_kernel:  # (the row-tiled kernel reads dS̃'s hi half)
             return fn, (grid, ints, kw)
-        return fn, (grid, ints, {**kw, **self._lo(self.p.kv_heads)})  # (one tile: mixing heads are the key heads)
+        return fn, (grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)})  # (mixing heads = key heads)
 
     @cached_property
     def bwd_keys(self):
@@ -351,7 +351,7 @@ class _Launches:
         splits = _cdiv(p.cols, split_cols)
         kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
         if self.hilo:  # dS̃ and S as halves: their lo halves' offsets
-            kw.update(HILO=True, LO_A=self._lo(p.mix_heads)["LO"], LO_X=self._lo(p.kv_heads)["LO"])
+            kw.update(HILO=True, LO_A=self._lo(p.mix_heads), LO_X=self._lo(p.kv_heads))
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
         return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw
 
