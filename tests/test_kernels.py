@@ -276,16 +276,16 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
         assert err < 2e-5, f"{name}: relative error {err:.1e} (a sum or W[1] rounded to half precision?)"
 
 
-@pytest.mark.parametrize("one_tile", [True, False], ids=["one-tile", "row-tiled"])
+@pytest.mark.parametrize("one_tile", [True, False], ids=["one-tile", "many-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
-    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient, or the row-tiled
-    kernels mix many blocks): hi + lo hold them to 16 significant bits, and the mixing gradient's partials
+    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient, or torch.matmul
+    mixes many blocks): hi + lo hold them to 16 significant bits, and the mixing gradient's partials
     ⟨dS̃_i, S_j⟩ (dS̃ as halves too) use both parts: within 1e-3 of float64 in bf16 (the rounded parts alone:
     ~2e-3), 1e-5 under the interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    _settings(monkeypatch, **(dict(mix_sweep=ONE_TILE_16) if one_tile else dict(hilo_min_blocks=1)))
+    _settings(monkeypatch, **(dict(mix_sweep=ONE_TILE_16) if one_tile else dict(matmul_mix_min_blocks=1)))
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -347,15 +347,19 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
     assert hilo == [not grouped] * 2  # (S and dS̃ as hi + lo halves where the one-tile kernel makes the gradient)
 
 
-@pytest.mark.parametrize("name", ["causal-ragged-gqa", "causal-blocks", "3d-odd-grid-gqa-per-head-elu-unnorm"])
-def test_row_tiled_mixing_over_hi_lo_halves(name, monkeypatch):
-    """Training's summaries and dS̃ as hi + lo halves with the row-tiled mixing kernels (shipped from many
-    blocks, here forced on few): the mixings read hi, the mixing gradient's partials take both halves of both,
-    and per-head mixing over grouped key heads finds each buffer's lo half (half inputs)."""
-    _settings(monkeypatch, hilo_min_blocks=1)
+@pytest.mark.parametrize("name", ["causal-ragged-gqa", "causal-blocks", "3d-odd-grid-gqa-per-head-elu-unnorm",
+                                  "1d-gqa-shared"])
+def test_many_blocks_mixed_by_matmul_over_hi_lo_halves(name, monkeypatch):
+    """Training at many blocks (here forced on few): torch.matmul mixes the summaries' and dS̃'s hi halves, forward
+    and transposed (per-head mixing over grouped key heads: their mixingsᵀ side by side), the mixing gradient's
+    partials take both halves of both, and each buffer's lo half is found (half inputs)."""
+    _settings(monkeypatch, matmul_mix_min_blocks=1)
+    matmuls, real_matmul = [], mhla_triton._mix_matmul
+    monkeypatch.setattr(mhla_triton, "_mix_matmul", lambda *a, **kw: matmuls.append(kw) or real_matmul(*a, **kw))
     launched = _half_training_launches(CASES[name], monkeypatch)
     kernels = {fn for fn, _ in launched}
-    assert mhla_triton.K._mix_sweep_kernel not in kernels and mhla_triton.K._mix_kernel in kernels
+    assert mhla_triton.K._mix_sweep_kernel not in kernels and mhla_triton.K._mix_kernel not in kernels
+    assert matmuls == [{}, {"transposed": True}]
     halves = (mhla_triton.K._summaries_kernel, mhla_triton.K._dmix_kernel)
     hilo = [kw.get("HILO", False) for fn, kw in launched if fn in halves]
     assert hilo == [True] * 3  # (S and dS̃ written as halves, the partials made from them)

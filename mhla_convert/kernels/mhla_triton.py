@@ -16,7 +16,8 @@ activations for M ≪ N. Training keeps that precision for the mixing gradient (
 rounding does not average out of it over few blocks): float32, or, where the one-tile kernel makes
 the gradient or many blocks are mixed, hi + lo half parts of which the mixings read only hi (`_summaries`). Inference
 (no autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one
-tile of all M blocks (M ≤ 128) or, for many blocks, with torch.matmul.
+tile of all M blocks (M ≤ 128). Many blocks (`Settings.matmul_mix_min_blocks`) are mixed with torch.matmul,
+forward and transposed, in training over the hi halves: there the M x M mixing is a large GEMM.
 
 Nothing is kept between calls: each call makes its plan and the launch arguments it uses (`_Launches`).
 """
@@ -276,12 +277,12 @@ class _Launches:
     @cached_property
     def hilo(self) -> bool:
         """Training's summaries and dS̃ as hi + lo halves, for half inputs where no block is split over programs:
-        where the one-tile kernel makes the mixing gradient, or the row-tiled kernels mix many blocks
-        (`Settings.hilo_min_blocks`). Only the mixing gradient reads them whole; the mixings read hi."""
+        where the one-tile kernel makes the mixing gradient, or torch.matmul mixes many blocks
+        (`Settings.matmul_mix_min_blocks`). Only the mixing gradient reads them whole; the mixings read hi."""
         p = self.p
         if not p.half_inputs or self.summaries[2]["ATOMIC"] or self._bwd_summaries_float[2]["ATOMIC"]:
             return False
-        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= settings.SETTINGS.hilo_min_blocks
+        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= settings.SETTINGS.matmul_mix_min_blocks
 
     @cached_property
     def _mix_t_halves(self):
@@ -325,11 +326,13 @@ class _Launches:
 
     @cached_property
     def mix_t(self):
-        if not self.hilo:  # float32 dS̃ and summaries: their own setting (the tiles take twice the room)
+        """The transposed mixing's launch: the one-tile kernel over hi + lo halves, or the row-tiled one over
+        float32 dS̃ (its own setting: the tiles take twice the room). None where torch.matmul mixes."""
+        if not self.hilo:
             return _mix_launch(self.p, "mix_t_float")
         fn, (grid, ints, kw) = self._mix_t_halves
-        if fn is not K._mix_sweep_kernel:  # (the row-tiled kernel reads dS̃'s hi half)
-            return fn, (grid, ints, kw)
+        if fn is not K._mix_sweep_kernel:
+            return None
         return fn, (grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)})  # (mixing heads = key heads)
 
     @cached_property
@@ -343,10 +346,12 @@ class _Launches:
     def dmix(self):
         """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
         p = self.p
-        tile, bk, warps = settings.SETTINGS.dmix_tiles
+        s = settings.SETTINGS
+        tile, bk, warps, per_sm = s.dmix_tiles
         bm = bn = min(tile, max(32, _p2(p.m)))
         tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
-        splits = max(1, min(_cdiv(p.cols, bk), _cdiv(p.wanted, p.batch * p.mix_heads * tiles)))
+        wanted = max(1, p.wanted * per_sm // s.programs_per_sm)
+        splits = max(1, min(_cdiv(p.cols, bk), _cdiv(wanted, p.batch * p.mix_heads * tiles)))
         split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
         splits = _cdiv(p.cols, split_cols)
         kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
@@ -359,8 +364,8 @@ class _Launches:
     def sum_partials(self):
         """The mixing gradient's partials: rows (mixing head or one) x (batch, split[, head]) x M·M."""
         p = self.p
-        fn, (grid, _, _) = self.mix_t
-        parts = grid[0] * grid[1] if fn is K._mix_sweep_kernel else self.dmix[0][0]
+        one_tile = self.mix_t is not None and self.mix_t[0] is K._mix_sweep_kernel
+        parts = self.mix_t[1][0][0] * self.mix_t[1][0][1] if one_tile else self.dmix[0][0]
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = settings.SETTINGS.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
@@ -431,24 +436,30 @@ def _mix(p: _Plan, mixing, x, out, *, kind: str, f: _Launches | None = None, s=N
     return out
 
 
-def _mix_matmul(p: _Plan, mixing, s):
-    """S̃ = mixing @ S through torch.matmul (cuBLAS) in S's dtype (per head: broadcast over the
-    query heads of each key head). For half-precision summaries and many blocks, where cuBLAS's
-    tiling beats `_mix_kernel`; the mixing weights are rounded to S's dtype."""
-    mix = mixing.to(s.dtype)
+def _mix_matmul(p: _Plan, mixing, x, transposed: bool = False):
+    """A mixing of many blocks through torch.matmul (cuBLAS), where the M x M mixing is a large GEMM whose
+    tiling beats `_mix_kernel`'s, in x's half dtype: S̃ = mixing @ S (per head: broadcast over the query
+    heads of each key head), or `transposed` dS = Σ mixingᵀ @ dS̃ over the mixing heads of each key head
+    (their mixingsᵀ side by side along K: one GEMM). The mixing weights are rounded to x's dtype, as x is
+    (training mixes the summaries' and dS̃'s hi halves): an error of the size of x's own rounding."""
+    mix = mixing.to(x.dtype)
     if p.causal:
         mix = mix.tril(-1)
     if not p.per_head:
-        return torch.matmul(mix, s)
+        return torch.matmul(mix.T if transposed else mix, x)
     g = p.mix_heads // p.kv_heads
-    return torch.matmul(mix.view(p.kv_heads, g, p.m, p.m), s.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
+    mix = mix.view(p.kv_heads, g, p.m, p.m)
+    if transposed:
+        return torch.matmul(mix.permute(0, 3, 1, 2).reshape(p.kv_heads, p.m, g * p.m),
+                            x.view(p.batch, p.kv_heads, g * p.m, p.cols))
+    return torch.matmul(mix, x.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
 
 
-def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches, inference: bool):
+def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches):
     """S̃ = mixing @ S in the inputs' `dtype`, from any of `_summaries`'s forms (of hi + lo, the rounded sums).
-    Training keeps the mixing weights' float32 precision in the product, which `_mix_matmul` does not."""
+    Float32 summaries keep the mixing weights' float32 precision in the product (`_mix_dot`)."""
     s = s[0] if s.dim() == 5 else s
-    if inference and s.dtype == dtype != torch.float32 and p.m >= settings.SETTINGS.matmul_mix_min_blocks:
+    if s.dtype == dtype != torch.float32 and p.m >= settings.SETTINGS.matmul_mix_min_blocks:
         return _mix_matmul(p, mixing, s)
     return _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=s.device, dtype=dtype),
                 kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
@@ -456,7 +467,7 @@ def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches, inference: bool):
 
 def _forward(p: _Plan, q, k, v, mixing, f: _Launches, half_summaries: bool = False):
     s = _summaries(p, k, v, half_summaries, f)
-    st = _mix_summaries(p, mixing, s, q.dtype, f, inference=half_summaries)
+    st = _mix_summaries(p, mixing, s, q.dtype, f)
     o = _new(p.batch, p.tokens, p.heads, p.dv, device=q.device, dtype=q.dtype)
     _run(K._readout_kernel, f.readout, (q, k, v, st, mixing, o))
     return s, st, o
@@ -485,7 +496,9 @@ def _bwd_summaries(p: _Plan, q, do, w, f: _Launches):
 def _mix_t(p: _Plan, mixing, dst, s, dtype, f: _Launches):
     """dS = mixingᵀ dS̃ in the mixed summaries' `dtype` (the key side reads it as a matmul operand in that
     precision anyway), and the mixing gradient's partials when the one-tile kernel makes them in the same
-    pass (else None)."""
+    pass (else None). Many blocks: torch.matmul over dS̃'s hi half."""
+    if f.mix_t is None:
+        return _mix_matmul(p, mixing, dst[0], transposed=True), None
     fn, (grid, _, _) = f.mix_t
     one_tile = fn is K._mix_sweep_kernel
     ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype)

@@ -97,18 +97,19 @@ class Settings:
     # the row-tiled mixing GEMM (`_mix_kernel`): BM, BN, BK, warps. Each row tile reads its summary columns again,
     # so 64 rows read them half as often as 32; 128 rows take 8 warps and gain nothing over 64
     mix_tiles: tuple[int, int, int, int] = (64, 128, 32, 4)
-    # training with at least this many blocks keeps its summaries and dS̃ as hi + lo halves for the row-tiled mixing
-    # kernels, as for the one-tile one: the mixings read only hi, half the bytes of float32 parts, and the mixing
-    # gradient takes three half products of the parts. Fewer blocks keep float32, for precision: on the tests'
-    # cases of 3-16 blocks, mixing rounded summaries raised the bf16 mixing gradient's error by up to 1.4x
-    hilo_min_blocks: int = 256
-    # inference with at least this many blocks mixes half summaries with torch.matmul: a large M x M mixing is
-    # a real GEMM, where cuBLAS's tiling beats both mixing kernels; at M ≤ 128 it gains nothing
+    # from this many blocks torch.matmul mixes half-precision summaries, forward and transposed: a large M x M
+    # mixing is a real GEMM, where cuBLAS's tiling beats the row-tiled kernel 2.5x (one half product against its
+    # two, of the float32 mixing weights' hi + lo parts, at M = 512). Training then keeps its summaries and dS̃
+    # as hi + lo halves, as for the one-tile kernel: the mixings read only hi, and the mixing gradient takes three
+    # half products of the parts. Fewer blocks keep float32, for precision: on the tests' cases of 3-16 blocks,
+    # mixing rounded summaries raised the bf16 mixing gradient's error by up to 1.4x; at M ≤ 128 cuBLAS gains
+    # nothing
     matmul_mix_min_blocks: int = 256
-    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (at most p2(M), at least 32), BK, warps.
-    # 128 x 128 tiles read each column of dS̃ and S half as often as 64 x 64 ones; over hi + lo halves (three
-    # products per step) 64 columns a step take a third less time than 32
-    dmix_tiles: tuple[int, int, int] = (128, 64, 4)
+    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (at most p2(M), at least 32), BK, warps,
+    # and programs per SM that the column splits aim at. 128 x 128 tiles read each column of dS̃ and S half as often
+    # as 64 x 64 ones; over hi + lo halves (three products per step) 64 columns a step take a third less time than
+    # 32; 2 programs per SM (at the causal 32k shape: no split) beat 4 by 15% and leave half the partials to sum
+    dmix_tiles: tuple[int, int, int, int] = (128, 64, 4, 2)
     # the partials' fixed-order sum (`_sum_partials_kernel`): rows, columns, warps
     sum_tiles: tuple[int, int, int] = (64, 32, 4)
     # the decoding step: (query heads x D x value columns) per program, and query heads per program: small
