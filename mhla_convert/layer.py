@@ -174,10 +174,11 @@ class MHLAttention(nn.Module):
         q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
         rotate = rotary is not None and self.config.rope == "before_feature_map"
         norm_rotate = getattr(rotary, "norm_rotate", None)
-        if rotate and self.qk_norm == "across_heads" and norm_rotate is not None:
+        if rotate and norm_rotate is not None and self.qk_norm in (None, rotary.norm_kind):
             # norm and rotation in one pass per tensor where a kernel takes them (ops.rotary)
             backend = "torch" if self.config.backend == "torch" else "auto"
-            q, k = (norm_rotate(t, norm, self.head_dim, backend) for t, norm in ((q, self.norm_q), (k, self.norm_k)))
+            norms = (self.norm_q, self.norm_k) if self.qk_norm else (None, None)
+            q, k = (norm_rotate(t, norm, self.head_dim, backend) for t, norm in zip((q, k), norms))
             return q, k, v.unflatten(-1, (-1, self.head_dim))
         if self.qk_norm == "across_heads":
             q, k = self.norm_q(q), self.norm_k(k)

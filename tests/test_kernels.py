@@ -6,6 +6,7 @@ the same cases run compiled, plus the dtypes and head dims of the target familie
 the kernels write is poisoned with NaN first, so an element left unwritten fails.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -701,6 +702,84 @@ def test_interpreter_norm_rotate_matches_torch(name):
 @pytest.mark.parametrize("name", ROTARY_CASES)
 def test_cuda_norm_rotate_matches_torch(name, dtype):
     _compare_rotary(ROTARY_CASES[name], dtype, "cuda", TOL[dtype])
+
+
+# --- the q/k norm + half-split rotary op (Llama-style LMs) ------------------------------------------
+from mhla_convert.ops.rotary import norm_rotate_half  # noqa: E402
+
+# (batch, tokens, heads, head dim, cos/sin batch, norm per head: "qwen3" | "torch" | None)
+HALF_ROTARY_CASES = {
+    "odd-heads-qwen3-norm": (2, 7, 3, 16, 1, "qwen3"),
+    "per-batch-table-torch-norm": (2, 5, 2, 8, 2, "torch"),
+    "odd-half-dim-no-norm": (1, 9, 5, 12, 1, None),
+    "llama-shape": (1, 300, 32, 64, 1, None),
+    "qwen3-shape": (2, 100, 16, 128, 1, "qwen3"),
+}
+
+
+def _half_rotary_inputs(case, dtype, device):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    batch, n, heads, dim, table_batch, norm = case
+    x = torch.randn(batch, n, heads * dim, device=device, dtype=dtype) * 3
+    # transformers repeats each angle over both halves; distinct columns here check which ones are read
+    angles = torch.rand(table_batch, n, dim, device=device) * 6.3
+    module = {"qwen3": lambda: Qwen3RMSNorm(dim, eps=1e-6), "torch": lambda: torch.nn.RMSNorm(dim, eps=1e-5),
+              None: lambda: None}[norm]()
+    if module is not None:
+        module = module.to(device, dtype)
+        torch.nn.init.uniform_(module.weight, 0.5, 1.5)
+    return x, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype), module
+
+
+def _compare_half_rotary(case, dtype, device, tol):
+    """The kernel against the host's ops in float32 (the norm's float32 copy), within tol, or for half inputs within
+    twice the host's ops' own error in that dtype."""
+    torch.manual_seed(3)
+    x, cos, sin, norm = _half_rotary_inputs(case, dtype, device)
+    dim = case[3]
+    with torch.no_grad():
+        norm32 = None if norm is None else copy.deepcopy(norm).float()
+        want = norm_rotate_half(x.float(), cos.float(), sin.float(), head_dim=dim, norm=norm32, backend="torch")
+        got = norm_rotate_half(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
+        own = norm_rotate_half(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
+    assert got.shape == want.shape == (*x.shape[:2], x.shape[2] // dim, dim) and torch.isfinite(got).all()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
+    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+
+
+@interp
+@pytest.mark.parametrize("name", [c for c in HALF_ROTARY_CASES if not c.endswith("-shape")])
+def test_interpreter_norm_rotate_half_matches_torch(name):
+    _compare_half_rotary(HALF_ROTARY_CASES[name], torch.float32, "cpu", 1e-6)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("name", HALF_ROTARY_CASES)
+def test_cuda_norm_rotate_half_matches_torch(name, dtype):
+    _compare_half_rotary(HALF_ROTARY_CASES[name], dtype, "cuda", TOL[dtype])
+
+
+def test_norm_rotate_half_keeps_torch_where_the_kernel_does_not_apply():
+    """Gradients, and norms that are not an RMSNorm per head, keep the host's ops: auto picks torch, triton says
+    why."""
+    device = "cuda" if CUDA else "cpu"
+    x, cos, sin, norm = _half_rotary_inputs(HALF_ROTARY_CASES["odd-heads-qwen3-norm"], torch.float32, device)
+    want = norm_rotate_half(x, cos, sin, head_dim=16, norm=norm, backend="torch")
+    with pytest.raises(ValueError, match="need gradients"):
+        norm_rotate_half(x, cos, sin, head_dim=16, norm=norm, backend="triton")
+    layer_norm = torch.nn.LayerNorm(16, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(norm_rotate_half(x, cos, sin, head_dim=16, norm=norm), want)
+        out = norm_rotate_half(x, cos, sin, head_dim=16, norm=layer_norm)
+        torch.testing.assert_close(out, norm_rotate_half(x, cos, sin, head_dim=16, norm=layer_norm, backend="torch"))
+        with pytest.raises(ValueError, match="RMSNorm over each head"):
+            norm_rotate_half(x, cos, sin, head_dim=16, norm=layer_norm, backend="triton")
+    with pytest.raises(ValueError, match="head_dim must be even and divide"):
+        norm_rotate_half(x, cos, sin, head_dim=10, norm=norm)
 
 
 def test_norm_rotate_needs_no_gradients_for_the_kernel():

@@ -10,10 +10,11 @@ from transformers.cache_utils import DynamicCache
 
 from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model
-from mhla_convert.families.llama import MHLALlamaAttention, apply_rotary
+from mhla_convert.families.llama import MHLALlamaAttention
 from mhla_convert.families.lm_cache import MHLACacheLayer
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
+from mhla_convert.ops.rotary import HalfSplitRotary
 
 ADAPTER = adapter_for_family("llama")
 FAMILIES = [name.removeprefix("tiny-") for name in ADAPTER.tiny_configs()]
@@ -68,7 +69,7 @@ def test_layer_equals_explicit_reference_and_host_projection(family):
     t_out, _ = teacher(**kwargs)  # the teacher takes the same call
     assert weights is None and out.shape == t_out.shape
 
-    q, k, v = attn.project(x, lambda q, k: apply_rotary(q, k, cos, sin))
+    q, k, v = attn.project(x, lambda q, k: HalfSplitRotary(cos, sin)(q, k))
     ref = attn.output(mhla_attention_reference(
         q, k, v, toeplitz_causal_mixing(attn.mixing, -(-37 // C)), causal=True, chunk_size=C,
         exact_chunks=attn.config.exact_chunks))

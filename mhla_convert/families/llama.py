@@ -15,19 +15,9 @@ import torch
 from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
+from ..ops.rotary import HalfSplitRotary
 from .base import FamilyAdapter, register
 from .lm_cache import mhla_cache_layer
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The hosts' `apply_rotary_pos_emb` (half-split RoPE) on (B, N, H, D) tensors; cos, sin (B, N, D)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
@@ -101,7 +91,7 @@ class MHLALlamaAttention(MHLAttention):
         transformers ≥ 5.24 passes the cache as `cache`, earlier releases as `past_key_values`."""
         past_key_values = cache if cache is not None else past_key_values
         cos, sin = position_embeddings
-        q, k, v = self.project(hidden_states, lambda q, k: apply_rotary(q, k, cos, sin))
+        q, k, v = self.project(hidden_states, HalfSplitRotary(cos, sin))
         real = _real_tokens(attention_mask, q.shape[1])  # padding: packed behind the real tokens
         if past_key_values is None:
             return self.output(self.attend_real(q, k, v, real)[0]), None

@@ -1,5 +1,5 @@
 """Fused Triton kernels for MHLA. Importing this registers the "triton" backend of `mhla_attention`,
-of the recurrent decoding step, of an LM layer's in-place decoding step and of the q/k norm + rotary op;
+of the recurrent decoding step, of an LM layer's in-place decoding step and of the q/k norm + rotary ops;
 without Triton the import fails and `dispatch` keeps the torch path."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
@@ -8,11 +8,18 @@ from ..ops.dispatch import register
 from .decode_triton import decode_step_triton, decode_supports, older_sums_supports, older_sums_triton
 from .mhla_triton import mhla_attention_triton, mhla_attention_triton_backward, supports, unsupported_reason
 from .recurrent_triton import mhla_recurrent_step_triton, step_supports, step_unsupported_reason
-from .rotary_triton import norm_rotate_supports, norm_rotate_triton, norm_rotate_unsupported_reason
+from .rotary_triton import (
+    norm_rotate_half_supports,
+    norm_rotate_half_triton,
+    norm_rotate_supports,
+    norm_rotate_triton,
+    norm_rotate_unsupported_reason,
+)
 
 register("attention", "triton", mhla_attention_triton, supports, mhla_attention_triton_backward)
 register("step", "triton", mhla_recurrent_step_triton, step_supports)
 register("rotary", "triton", norm_rotate_triton, norm_rotate_supports)
+register("rotary_half", "triton", norm_rotate_half_triton, norm_rotate_half_supports)
 register("decode", "triton", decode_step_triton, decode_supports)
 register("older_sums", "triton", older_sums_triton, older_sums_supports)
 

@@ -1,7 +1,10 @@
-"""The Triton backend of `ops.rotary.norm_rotate_interleaved`: one launch of `mhla_kernels._norm_rotate_kernel`,
-whose program per token row reads the row once, takes its RMS over all heads, scales by the norm weight and
-rotates each (even, odd) channel pair, all in float32, and writes the row once. Inference only (no autograd
-Function)."""
+"""The Triton backends of `ops.rotary`'s q/k norm + rotary ops, one launch each, whose program per token row
+reads the row once, norms it, rotates it in float32 and writes it once. Inference only (no autograd Function).
+
+- `norm_rotate_interleaved` (Wan): `mhla_kernels._norm_rotate_kernel`, the RMS over all heads and each (even,
+  odd) channel pair rotated;
+- `norm_rotate_half` (Llama-style LMs): `mhla_kernels._norm_rotate_half_kernel`, the RMS per head (Qwen3's q/k
+  norms, or none) and the half-split rotation of transformers' `apply_rotary_pos_emb`."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ def _table(t: torch.Tensor, batch: int, n: int, dim: int) -> tuple[int, int] | N
     return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
 
 
-def norm_rotate_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None:
+def _rows_reason(x, *, head_dim, norm) -> str | None:
+    """Why the kernels do not take x (B, N, H·D) and the norm's parameters, or None."""
     if torch.is_grad_enabled() and (
         x.requires_grad or (norm is not None and any(p.requires_grad for p in norm.parameters()))
     ):
@@ -34,6 +38,13 @@ def norm_rotate_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None
         return (
             f"x of shape {tuple(x.shape)} (kernels take (B, N, H·D) with an even D = {head_dim} and unit last stride)"
         )
+    return None
+
+
+def norm_rotate_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None:
+    reason = _rows_reason(x, head_dim=head_dim, norm=norm)
+    if reason:
+        return reason
     for t in (cos, sin):
         if _table(t, x.shape[0], x.shape[1], head_dim) is None:
             return f"a cos/sin table of shape {tuple(t.shape)} (kernels take (1 or B, N, 1, D))"
@@ -59,5 +70,51 @@ def norm_rotate_triton(x, cos, sin, *, head_dim, norm):
     K._norm_rotate_kernel[(batch * n,)](
         *args, C=channels, D=head_dim, BP=max(16, MT.next_power_of_2(channels) // 2), NORM=norm is not None,
         AFFINE=weight is not None, num_warps=settings.SETTINGS.warps,
+    )
+    return out
+
+
+# per-head RMSNorms whose forward is x·rsqrt(mean(x²) + eps)·weight over the last dim (transformers' own classes,
+# by name: their modules are not importable from one place), with the attribute holding their eps
+_HEAD_NORMS = {"RMSNorm": "eps", "LlamaRMSNorm": "variance_epsilon", "Qwen2RMSNorm": "variance_epsilon",
+               "Qwen3RMSNorm": "variance_epsilon", "MistralRMSNorm": "variance_epsilon"}
+
+
+def _head_norm_eps(norm, x) -> float:
+    eps = getattr(norm, _HEAD_NORMS[type(norm).__name__])
+    return float(eps if eps is not None else torch.finfo(x.dtype).eps)
+
+
+def norm_rotate_half_unsupported_reason(x, cos, sin, *, head_dim, norm) -> str | None:
+    reason = _rows_reason(x, head_dim=head_dim, norm=norm)
+    if reason:
+        return reason
+    batch, n = x.shape[:2]
+    for t in (cos, sin):
+        if t.dim() != 3 or t.shape[1:] != (n, head_dim) or t.shape[0] not in (1, batch) or t.stride(-1) != 1:
+            return f"a cos/sin table of shape {tuple(t.shape)} (kernels take (1 or B, N, D))"
+    if norm is not None:
+        weight = getattr(norm, "weight", None)
+        if type(norm).__name__ not in _HEAD_NORMS or weight is None or tuple(weight.shape) != (head_dim,):
+            return f"norm {type(norm).__name__} (kernels take an RMSNorm over each head's {head_dim} channels)"
+    return None
+
+
+def norm_rotate_half_supports(x, cos, sin, *, head_dim, norm) -> bool:
+    return x.is_cuda and norm_rotate_half_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm) is None
+
+
+def norm_rotate_half_triton(x, cos, sin, *, head_dim, norm):
+    reason = norm_rotate_half_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm)
+    if reason is not None:
+        raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
+    batch, n, channels = x.shape
+    heads = channels // head_dim
+    out = MT._new(batch, n, heads, head_dim, device=x.device, dtype=x.dtype)
+    strides = [(0 if t.shape[0] == 1 else t.stride(0), t.stride(1)) for t in (cos, sin)]
+    K._norm_rotate_half_kernel[(batch * n,)](
+        x, x if norm is None else norm.weight, cos, sin, out, x.stride(0), x.stride(1), *strides[0], *strides[1], n,
+        0.0 if norm is None else _head_norm_eps(norm, x), H=heads, D=head_dim, BH=MT.next_power_of_2(heads),
+        BD2=MT.next_power_of_2(head_dim // 2), NORM=norm is not None, num_warps=settings.SETTINGS.warps,
     )
     return out

@@ -1,4 +1,4 @@
-"""Backend selection for the operators (`mhla_attention`, the recurrent step, the rotary op).
+"""Backend selection for the operators (`mhla_attention`, the recurrent step, the rotary ops).
 
 Kernels register per operator: `register(op, name, impl, supports)`. `select` returns the torch
 implementation for "torch"; for "auto" the first registered backend whose `supports(*args, **kw)`
@@ -11,6 +11,7 @@ Operators and their implementation signatures:
 - "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
   supports(state, q, k, v, relative, *, phi);
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm);
+- "rotary_half": `ops.rotary.norm_rotate_half_torch`; supports(x, cos, sin, *, head_dim, norm);
 - "exact" (causal attention with exact local chunks): `ops.exact_local.mhla_attention_exact_local_torch`;
   supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask); an optional
   backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing);
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary", "exact", "decode", "older_sums")
+OPS = ("attention", "step", "rotary", "rotary_half", "exact", "decode", "older_sums")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _logged: set[tuple] = set()
