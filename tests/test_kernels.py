@@ -667,27 +667,24 @@ def _rotary_inputs(case, dtype, device):
     return x, cos, sin, module
 
 
+def _assert_rotary_close(op, x, cos, sin, dim, norm, tol):
+    """The kernel against the host's ops in float32 (the norm's float32 copy), within tol, or for half inputs within
+    twice the host's ops' own error in that dtype."""
+    with torch.no_grad():
+        norm32 = None if norm is None else copy.deepcopy(norm).float()
+        want = op(x.float(), cos.float(), sin.float(), head_dim=dim, norm=norm32, backend="torch")
+        got = op(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
+        own = op(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
+    assert got.shape == want.shape == (*x.shape[:2], x.shape[2] // dim, dim) and torch.isfinite(got).all()
+    err = ((got.float() - want).norm() / want.norm()).item()
+    bound = tol if x.dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
+    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+
+
 def _compare_rotary(case, dtype, device, tol):
     torch.manual_seed(2)
     x, cos, sin, norm = _rotary_inputs(case, dtype, device)
-    dim = case[3]
-    with torch.no_grad():
-        norm32 = (
-            None
-            if norm is None
-            else type(norm)(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None)
-        )
-        if norm is not None and norm.weight is not None:
-            norm32.weight.copy_(norm.weight.float())
-        want = norm_rotate_interleaved(
-            x.float(), cos, sin, head_dim=dim, norm=None if norm is None else norm32.to(device), backend="torch"
-        )
-        got = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
-        own = norm_rotate_interleaved(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
-    assert got.shape == want.shape and torch.isfinite(got).all(), "wrong shape, or an unwritten element"
-    err = ((got.float() - want).norm() / want.norm()).item()
-    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
-    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+    _assert_rotary_close(norm_rotate_interleaved, x, cos, sin, case[3], norm, tol)
 
 
 @interp
@@ -733,20 +730,9 @@ def _half_rotary_inputs(case, dtype, device):
 
 
 def _compare_half_rotary(case, dtype, device, tol):
-    """The kernel against the host's ops in float32 (the norm's float32 copy), within tol, or for half inputs within
-    twice the host's ops' own error in that dtype."""
     torch.manual_seed(3)
     x, cos, sin, norm = _half_rotary_inputs(case, dtype, device)
-    dim = case[3]
-    with torch.no_grad():
-        norm32 = None if norm is None else copy.deepcopy(norm).float()
-        want = norm_rotate_half(x.float(), cos.float(), sin.float(), head_dim=dim, norm=norm32, backend="torch")
-        got = norm_rotate_half(x, cos, sin, head_dim=dim, norm=norm, backend="triton")
-        own = norm_rotate_half(x, cos, sin, head_dim=dim, norm=norm, backend="torch").float()
-    assert got.shape == want.shape == (*x.shape[:2], x.shape[2] // dim, dim) and torch.isfinite(got).all()
-    err = ((got.float() - want).norm() / want.norm()).item()
-    bound = tol if dtype == torch.float32 else max(tol, 2 * ((own - want).norm() / want.norm()).item())
-    assert err < bound, f"relative error {err:.2e} ≥ {bound:.1e}"
+    _assert_rotary_close(norm_rotate_half, x, cos, sin, case[3], norm, tol)
 
 
 @interp

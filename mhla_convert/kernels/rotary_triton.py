@@ -57,12 +57,17 @@ def norm_rotate_supports(x, cos, sin, *, head_dim, norm) -> bool:
     return x.is_cuda and norm_rotate_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm) is None
 
 
-def norm_rotate_triton(x, cos, sin, *, head_dim, norm):
-    reason = norm_rotate_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm)
+def _output(reason: str | None, x, head_dim: int) -> torch.Tensor:
+    """The kernels' output (B, N, H, D) for x (B, N, H·D), or the one-line refusal of inputs they do not take."""
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     batch, n, channels = x.shape
-    out = MT._new(batch, n, channels // head_dim, head_dim, device=x.device, dtype=x.dtype)
+    return MT._new(batch, n, channels // head_dim, head_dim, device=x.device, dtype=x.dtype)
+
+
+def norm_rotate_triton(x, cos, sin, *, head_dim, norm):
+    out = _output(norm_rotate_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm), x, head_dim)
+    batch, n, channels = x.shape
     weight = norm.weight if norm is not None and norm.weight is not None else None
     eps = (norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps) if norm is not None else 0.0
     args = (x, weight if weight is not None else x, cos, sin, out, x.stride(0), x.stride(1),
@@ -105,12 +110,8 @@ def norm_rotate_half_supports(x, cos, sin, *, head_dim, norm) -> bool:
 
 
 def norm_rotate_half_triton(x, cos, sin, *, head_dim, norm):
-    reason = norm_rotate_half_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm)
-    if reason is not None:
-        raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    batch, n, channels = x.shape
-    heads = channels // head_dim
-    out = MT._new(batch, n, heads, head_dim, device=x.device, dtype=x.dtype)
+    out = _output(norm_rotate_half_unsupported_reason(x, cos, sin, head_dim=head_dim, norm=norm), x, head_dim)
+    batch, n, heads = out.shape[:3]
     strides = [(0 if t.shape[0] == 1 else t.stride(0), t.stride(1)) for t in (cos, sin)]
     K._norm_rotate_half_kernel[(batch * n,)](
         x, x if norm is None else norm.weight, cos, sin, out, x.stride(0), x.stride(1), *strides[0], *strides[1], n,

@@ -38,11 +38,17 @@ def norm_rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     `rotate_interleaved` by cos/sin of shape (1 or B, N, 1, D). `backend="auto"` fuses both into one
     pass on CUDA when no gradient is needed; training keeps the torch path, and so does torch.compile, which
     fuses it by itself."""
+    return _norm_rotate("rotary", norm_rotate_torch, x, cos, sin, head_dim, norm, backend)
+
+
+def _norm_rotate(op: str, torch_impl, x, cos, sin, head_dim: int, norm, backend: str) -> torch.Tensor:
+    """`op`'s implementation for `backend` on x (B, N, H·D); "auto" keeps `torch_impl` under torch.compile,
+    whose inductor fuses its ops into one pass itself."""
     if head_dim % 2 or x.shape[-1] % head_dim:
         raise ValueError(f"head_dim must be even and divide x's last dim ({x.shape[-1]}); got {head_dim}")
-    if backend == "auto" and torch.compiler.is_compiling():  # inductor fuses the torch ops into one pass itself
+    if backend == "auto" and torch.compiler.is_compiling():
         backend = "torch"
-    impl = select("rotary", backend, norm_rotate_torch, x, cos, sin, head_dim=head_dim, norm=norm)
+    impl = select(op, backend, torch_impl, x, cos, sin, head_dim=head_dim, norm=norm)
     return impl(x, cos, sin, head_dim=head_dim, norm=norm)
 
 
@@ -62,12 +68,7 @@ def norm_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, h
     """x (B, N, H·D) → (B, N, H, D): `norm` over each head's D channels (Qwen3's q/k norm, or None), then
     `rotate_half_split` by cos/sin of shape (1 or B, N, D). `backend="auto"` fuses both into one pass on CUDA when
     no gradient is needed and the norm is an RMSNorm; training and torch.compile keep the torch path."""
-    if head_dim % 2 or x.shape[-1] % head_dim:
-        raise ValueError(f"head_dim must be even and divide x's last dim ({x.shape[-1]}); got {head_dim}")
-    if backend == "auto" and torch.compiler.is_compiling():  # inductor fuses the torch ops into one pass itself
-        backend = "torch"
-    impl = select("rotary_half", backend, norm_rotate_half_torch, x, cos, sin, head_dim=head_dim, norm=norm)
-    return impl(x, cos, sin, head_dim=head_dim, norm=norm)
+    return _norm_rotate("rotary_half", norm_rotate_half_torch, x, cos, sin, head_dim, norm, backend)
 
 
 @dataclass(frozen=True, eq=False)
