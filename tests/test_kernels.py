@@ -153,6 +153,29 @@ def test_interpreter_half_causal_mixing_gradient():
     assert err < 1.5 * own_err, f"mixing gradient: relative error {err:.2e}, the torch path's {own_err:.2e}"
 
 
+def _zero_feature_query_gradients(name, dtype, device):
+    """A query whose relu features are all zero (den = 0, so 1/(den + eps) = 1/eps) in half precision: every
+    gradient finite and within the bound of `_assert_close` against the float32 torch path."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    tensors = _inputs(case, dtype, device)
+    with torch.no_grad():
+        tensors[0][:, 5] = -tensors[0][:, 5].abs()  # relu(q) = 0 for token 5 of every head
+    grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device=device)
+    want = _run(case, [t.detach().float().requires_grad_() for t in tensors], "torch", grad_out)
+    got = _run(case, tensors, "triton", grad_out.to(dtype))
+    own = _run(case, tensors, "torch", grad_out.to(dtype))
+    for label, g, w, o in zip(("out", "dq", "dk", "dv", "dmixing"), got, want, own):
+        _assert_close(label, g, w, o, TOL[dtype])
+
+
+@interp
+@pytest.mark.parametrize("name", ["2d-odd-grid", "causal-ragged-gqa", "causal-blocks"])
+def test_interpreter_zero_feature_query_gradients(name):
+    """(fp16: do / eps rounded to fp16 overflowed, and inf · 0 made the gradients NaN)"""
+    _zero_feature_query_gradients(name, torch.float16, "cpu")
+
+
 @interp
 def test_interpreter_split_blocks_and_reference(monkeypatch):
     """Large blocks split over programs (atomics into summaries and dS̃), checked against the
@@ -425,6 +448,14 @@ FAMILY_CASES = {
 @pytest.mark.parametrize("name", list(CASES) + list(FAMILY_CASES))
 def test_cuda_matches_torch(name, dtype):
     _compare({**CASES, **FAMILY_CASES}[name], dtype, "cuda", TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["2d-odd-grid", "causal-ragged-gqa", "causal-blocks"])
+def test_cuda_zero_feature_query_gradients(name, dtype):
+    _zero_feature_query_gradients(name, dtype, "cuda")
 
 
 @pytest.mark.gpu

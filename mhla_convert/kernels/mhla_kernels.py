@@ -446,22 +446,22 @@ def _bwd_query_kernel(
             else:
                 o = _load_rows(O + b * sob + h * soh, n, valid, son, e, em).to(tl.float32)
             ndo = -tl.sum(do * o, 1)
-            dden = ndo * rinv
-            dnum = do * rinv[:, None]
         else:
             rinv = tl.full((BT,), 1.0, tl.float32)
             ndo = tl.zeros((BT,), tl.float32)
-            dnum = do
-        dfq = tl.dot(dnum.to(dt), tl.trans(st), input_precision=DOT_PREC)
+        # dφ(q)·(den + eps) first, the factor last: do (exact in its dtype) is the products' operand, where
+        # do / (den + eps) rounded to fp16 overflows for a query with all-zero features (den = 0), and inf · 0
+        # made its gradient (and, causal, every gradient) NaN
+        dfq = tl.dot(do.to(dt), tl.trans(st), input_precision=DOT_PREC)
         if NORMALIZE:
-            dfq += dden[:, None] * zt[None, :]
+            dfq += ndo[:, None] * zt[None, :]
         if CAUSAL:
-            g = tl.dot(dnum.to(dt), tl.trans(vv.to(dt)), input_precision=DOT_PREC)
+            g = tl.dot(do.to(dt), tl.trans(vv.to(dt)), input_precision=DOT_PREC)
             if NORMALIZE:
-                g += dden[:, None]
+                g += ndo[:, None]
             da = tl.where(tri, g, 0.0) * mii
             dfq += tl.dot(da.to(dt), fk.to(dt), input_precision=DOT_PREC)
-        dq = dfq * scale * _dphi(qx, PHI)
+        dq = dfq * (rinv * scale)[:, None] * _dphi(qx, PHI)
         tl.store(DQ + b * sqb + h * sqh + n[:, None] * sqn + d[None, :], dq.to(DQ.dtype.element_ty),
                  mask=valid[:, None] & dm[None, :])
         tl.store(wp + n, rinv, mask=valid)
@@ -512,19 +512,19 @@ def _bwd_key_kernel(
                 wp = W + (b * H + h) * 2 * nt
                 do = _load_rows(DO + b * sdb + h * sdh, n, valid, sdn, e, em).to(tl.float32)
                 rinv = tl.load(wp + n, mask=valid, other=0.0)
-                dnum = do * rinv[:, None]
                 a = tl.dot(fq.to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
-                g = tl.dot(dnum.to(dt), tl.trans(vv), input_precision=DOT_PREC)
-                if K.dtype.element_ty != tl.float32:  # half inputs: add the parts that rounding φ(q)·scale and dnum
-                    # to them dropped, so ∂/∂m_ii sums the float32 products the torch path does
+                if K.dtype.element_ty != tl.float32:  # half inputs: add the part that rounding φ(q)·scale to them
+                    # dropped, so ∂/∂m_ii sums the float32 products the torch path does
                     a += tl.dot((fq - fq.to(dt).to(tl.float32)).to(dt), tl.trans(fk.to(dt)), input_precision=DOT_PREC)
-                    g += tl.dot((dnum - dnum.to(dt).to(tl.float32)).to(dt), tl.trans(vv), input_precision=DOT_PREC)
-                a = tl.where(tri, a, 0.0)
-                if NORMALIZE:  # + dden = −(do·o) / (den + eps)
-                    g += (tl.load(wp + nt + n, mask=valid, other=0.0) * rinv)[:, None]
+                # the query rows' factor 1/(den + eps) goes on A (A / (den + eps) ≤ 1 / m_ii) and on φ(q), not on
+                # do: do / (den + eps) rounded to fp16 overflows where den = 0 (see `_bwd_query_kernel`)
+                a = tl.where(tri, a, 0.0) * rinv[:, None]
+                g = tl.dot(do.to(dt), tl.trans(vv), input_precision=DOT_PREC)  # (do is exact in its dtype)
+                if NORMALIZE:  # + (den + eps)·dden = −do·o
+                    g += tl.load(wp + nt + n, mask=valid, other=0.0)[:, None]
                 g = tl.where(tri, g, 0.0)
-                dfk += mii * tl.dot(tl.trans(g.to(dt)), fq.to(dt), input_precision=DOT_PREC)
-                dv += mii * tl.dot(tl.trans(a.to(dt)), dnum.to(dt), input_precision=DOT_PREC)
+                dfk += mii * tl.dot(tl.trans(g.to(dt)), (fq * rinv[:, None]).to(dt), input_precision=DOT_PREC)
+                dv += mii * tl.dot(tl.trans(a.to(dt)), do.to(dt), input_precision=DOT_PREC)
                 tl.store(DMII + (b * H + h) * M + m, tl.sum(tl.sum(a * g, 1), 0))
         dk = dfk * _dphi(kx, PHI)
         tl.store(DK + b * skb + hk * skh + n[:, None] * skn + d[None, :], dk.to(DK.dtype.element_ty),
