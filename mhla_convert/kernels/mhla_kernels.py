@@ -401,7 +401,7 @@ def _bwd_query_kernel(
     the tiles (the dS̃ accumulator in here held one program per SM at 255 registers).
     RECOMPUTE (causal, normalised, half inputs): o at float32 precision instead of the stored half one. The
     own-chunk part of ∂/∂m_ii is Σ A ⊙ (dnum vᵀ + dden), two large terms that cancel (a first chunk's o does
-    not depend on m_ii at all), so do·o must be the same sum the key side's A and dnum make, not its rounding."""
+    not depend on m_ii at all), so do·o must be the same sum the key side's A makes, not its rounding."""
     _chained(PDL)
     bh, m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = (bh // H).to(tl.int64), bh % H
