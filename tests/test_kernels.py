@@ -718,20 +718,6 @@ def _compare_rotary(case, dtype, device, tol):
     _assert_rotary_close(norm_rotate_interleaved, x, cos, sin, case[3], norm, tol)
 
 
-@interp
-@pytest.mark.parametrize("name", [c for c in ROTARY_CASES if c != "wan-shape"])
-def test_interpreter_norm_rotate_matches_torch(name):
-    _compare_rotary(ROTARY_CASES[name], torch.float32, "cpu", 1e-6)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", list(TOL), ids=str)
-@pytest.mark.parametrize("name", ROTARY_CASES)
-def test_cuda_norm_rotate_matches_torch(name, dtype):
-    _compare_rotary(ROTARY_CASES[name], dtype, "cuda", TOL[dtype])
-
-
 # --- the q/k norm + half-split rotary op (Llama-style LMs) ------------------------------------------
 from mhla_convert.ops.rotary import norm_rotate_half  # noqa: E402
 
@@ -766,18 +752,25 @@ def _compare_half_rotary(case, dtype, device, tol):
     _assert_rotary_close(norm_rotate_half, x, cos, sin, case[3], norm, tol)
 
 
+# both forms' cases: (form, case name); the "-shape" cases are a model's full size, for the GPU only
+ROTARY_FORMS = {"interleaved": (_compare_rotary, ROTARY_CASES), "half": (_compare_half_rotary, HALF_ROTARY_CASES)}
+ALL_ROTARY_CASES = [(form, name) for form, (_, cases) in ROTARY_FORMS.items() for name in cases]
+
+
 @interp
-@pytest.mark.parametrize("name", [c for c in HALF_ROTARY_CASES if not c.endswith("-shape")])
-def test_interpreter_norm_rotate_half_matches_torch(name):
-    _compare_half_rotary(HALF_ROTARY_CASES[name], torch.float32, "cpu", 1e-6)
+@pytest.mark.parametrize("form,name", [case for case in ALL_ROTARY_CASES if not case[1].endswith("-shape")])
+def test_interpreter_norm_rotate_matches_torch(form, name):
+    compare, cases = ROTARY_FORMS[form]
+    compare(cases[name], torch.float32, "cpu", 1e-6)
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
-@pytest.mark.parametrize("name", HALF_ROTARY_CASES)
-def test_cuda_norm_rotate_half_matches_torch(name, dtype):
-    _compare_half_rotary(HALF_ROTARY_CASES[name], dtype, "cuda", TOL[dtype])
+@pytest.mark.parametrize("form,name", ALL_ROTARY_CASES)
+def test_cuda_norm_rotate_matches_torch(form, name, dtype):
+    compare, cases = ROTARY_FORMS[form]
+    compare(cases[name], dtype, "cuda", TOL[dtype])
 
 
 def test_norm_rotate_half_keeps_torch_where_the_kernel_does_not_apply():
