@@ -436,7 +436,7 @@ FAMILY_CASES = {
     "sana-d32-unnorm": ((33, 31), (4, 4), None, False, 6, 6, 32, 32, False, False, "relu"),
     "llm-d64-causal-gqa": ((1000,), None, 64, True, 8, 2, 64, 64, False, False, "relu"),
     "llm-d64-causal-per-head-elu": ((777,), None, 64, True, 4, 4, 64, 64, True, True, "elu"),
-    # 512 chunks: training's summaries as hi + lo halves for the row-tiled mixing kernels
+    # 512 chunks: training's summaries and dS̃ as hi + lo halves, mixed by torch.matmul
     "causal-512-chunks-per-head-gqa": ((8190,), None, 16, True, 4, 2, 16, 16, True, True, "elu"),
     "d64-per-head-gqa-elu": ((24, 20), (4, 4), None, False, 4, 2, 64, 64, True, True, "elu"),
 }

@@ -678,7 +678,6 @@ def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, ep
     tl.store(OUT + (b * N + n) * C + c, out.to(OUT.dtype.element_ty), mask=c < C)
 
 
-
 @triton.jit
 def _norm_rotate_half_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, eps, H: tl.constexpr,
                              D: tl.constexpr, BH: tl.constexpr, BD2: tl.constexpr, NORM: tl.constexpr):
@@ -688,22 +687,22 @@ def _norm_rotate_half_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, 
     row = tl.program_id(0)
     b, n = (row // N).to(tl.int64), (row % N).to(tl.int64)
     h, j = tl.arange(0, BH), tl.arange(0, BD2)
-    mask = (h < H)[:, None] & (j < D // 2)[None, :]
+    jm = j < D // 2
+    mask = (h < H)[:, None] & jm[None, :]
     off = h[:, None] * D + j[None, :]
     x1 = tl.load(X + b * sxb + n * sxn + off, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + b * sxb + n * sxn + off + D // 2, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
-        jm = j < D // 2
         x1 = x1 * r * tl.load(W + j, mask=jm, other=0.0).to(tl.float32)[None, :]
         x2 = x2 * r * tl.load(W + j + D // 2, mask=jm, other=0.0).to(tl.float32)[None, :]
     cp, sp = COS + b * scb + n * scn + j, SIN + b * ssb + n * ssn + j
-    jm = j < D // 2
     c1, c2 = tl.load(cp, mask=jm, other=0.0).to(tl.float32), tl.load(cp + D // 2, mask=jm, other=0.0).to(tl.float32)
     s1, s2 = tl.load(sp, mask=jm, other=0.0).to(tl.float32), tl.load(sp + D // 2, mask=jm, other=0.0).to(tl.float32)
     out = OUT + (b * N + n) * (H * D) + off
     tl.store(out, (x1 * c1[None, :] - x2 * s1[None, :]).to(OUT.dtype.element_ty), mask=mask)
     tl.store(out + D // 2, (x2 * c2[None, :] + x1 * s2[None, :]).to(OUT.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _decode_step_kernel(

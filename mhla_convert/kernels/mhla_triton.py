@@ -363,9 +363,11 @@ class _Launches:
     @cached_property
     def sum_partials(self):
         """The mixing gradient's partials: rows (mixing head or one) x (batch, split[, head]) x M·M."""
-        p = self.p
-        one_tile = self.mix_t is not None and self.mix_t[0] is K._mix_sweep_kernel
-        parts = self.mix_t[1][0][0] * self.mix_t[1][0][1] if one_tile else self.dmix[0][0]
+        p, mix_t = self.p, self.mix_t
+        if mix_t is not None and mix_t[0] is K._mix_sweep_kernel:  # (its grid: (batch x heads, splits))
+            parts = mix_t[1][0][0] * mix_t[1][0][1]
+        else:
+            parts = self.dmix[0][0]
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = settings.SETTINGS.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
