@@ -230,6 +230,33 @@ def test_interpreter_forward_only(name):
     _compare_forward(CASES[name], torch.float32, "cpu", 1e-5)
 
 
+@interp
+def test_interpreter_launch_plans_cached_per_signature(monkeypatch):
+    """Launches are planned once per input signature and shared by later calls: calls of one shape that differ
+    in a single option, the mixing's form or the settings table each get a plan of their own (each result is the
+    torch path's), and a repeated call plans nothing."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 63, 2, 16) for _ in range(3))
+    base = dict(grid=(7, 9), blocks=(2, 3), feature_map="relu", normalize=True, scale=None, eps=1e-6)
+    variants = [{}, dict(scale=0.5), dict(eps=0.5), dict(normalize=False), dict(feature_map="elu"),
+                dict(per_head=True), dict(tile_tokens=32)]
+    plans = mhla_triton._launches_of
+    plans.cache_clear()
+    for i, change in enumerate(variants):
+        if "tile_tokens" in change:
+            _settings(monkeypatch, tile_tokens=change["tile_tokens"])
+        kw = {**base, **{key: value for key, value in change.items() if key in base}}
+        mixing = torch.rand(*((2,) if change.get("per_head") else ()), 6, 6)
+        with torch.no_grad():
+            got = mhla_attention(q, k, v, mixing, backend="triton", **kw)
+            want = mhla_attention(q, k, v, mixing, backend="torch", **kw)
+        _assert_close(f"out with {change}", got, want, None, 1e-5)
+        assert plans.cache_info().currsize == i + 1, f"{change} found the plan of another signature"
+    with torch.no_grad():
+        mhla_attention(q, k, v, mixing, backend="triton", **kw)
+    assert plans.cache_info().currsize == len(variants), "a repeated call was planned again"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("sweep", [True, False], ids=["sweep", "tiled"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -248,8 +275,8 @@ def test_mixing_keeps_float32_weights_for_half_summaries(sweep, causal, dtype, m
     layout = BlockLayout.chunked(m * 4, 4) if causal else BlockLayout.create((m,), (m,))
     q = torch.empty(1, m * 4 if causal else m, heads, dim, device=device, dtype=dtype)
     mixing = torch.rand(heads, m, m, device=device) + 1e-3  # many more than 8 significant bits
-    plan = mhla_triton._plan(q, q, q, mixing, layout, causal=causal, phi=resolve_feature_map("relu"), normalize=True,
-                             scale=1.0, eps=1e-6)
+    plan = mhla_triton._launches_for(q, q, q, mixing, layout, causal=causal, phi=resolve_feature_map("relu"),
+                                     normalize=True, scale=1.0, eps=1e-6).p
     s = torch.randn(1, heads, m, plan.cols, device=device).to(dtype)
     out = torch.full((1, heads, m, plan.cols), float("nan"), device=device)
     mhla_triton._mix(plan, mixing, s, out, kind="mix_half")
@@ -285,9 +312,9 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
     do = torch.randn(batch, n, heads, dv, device=device).to(dtype)
     kv = torch.empty(batch, n, kv_heads, dv, device=device, dtype=dtype)
     w = torch.randn(batch, heads, 2, n, device=device)
-    plan = mhla_triton._plan(q, kv[..., :dim], kv, torch.rand(m, m, device=device), layout, causal=False,
-                             phi=resolve_feature_map("relu"), normalize=True, scale=scale, eps=1e-6)
-    f = mhla_triton._Launches(plan)
+    f = mhla_triton._launches_for(q, kv[..., :dim], kv, torch.rand(m, m, device=device), layout, causal=False,
+                                  phi=resolve_feature_map("relu"), normalize=True, scale=scale, eps=1e-6)
+    plan = f.p
     assert f.bwd_summaries[2]["ATOMIC"] == split
     dst = mhla_triton._bwd_summaries(plan, q, do, w, f).double()
     fq = (torch.relu(q.double()) * (w[:, :, 0].double() * scale).transpose(1, 2)[..., None]).to(dtype).double()
@@ -317,9 +344,9 @@ def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
     k = torch.randn(batch, layout.num_tokens, heads, dim, device=device).to(dtype)
     v = torch.randn(batch, layout.num_tokens, heads, dv, device=device).to(dtype)
     mixing = torch.rand(layout.num_blocks, layout.num_blocks, device=device)
-    plan = mhla_triton._plan(k, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"), normalize=True,
-                             scale=1.0, eps=1e-6)
-    f = mhla_triton._Launches(plan)
+    f = mhla_triton._launches_for(k, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"),
+                                  normalize=True, scale=1.0, eps=1e-6)
+    plan = f.p
     assert f.hilo
     s = mhla_triton._summaries(plan, k, v, f=f)
     fk = torch.relu(k.double())

@@ -19,15 +19,18 @@ the gradient or many blocks are mixed, hi + lo half parts of which the mixings r
 tile of all M blocks (M ≤ 128). Many blocks (`Settings.matmul_mix_min_blocks`) are mixed with torch.matmul,
 forward and transposed, in training over the hi halves: there the M x M mixing is a large GEMM.
 
-Nothing is kept between calls: each call makes its plan and the launch arguments it uses (`_Launches`).
+The launch arguments (`_Launches`) of each input signature are made once and kept in a bounded cache
+(`_launches_of`), as the block layouts are (`ops.blocks`): tensors and results are never kept between calls.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -190,11 +193,31 @@ class _Plan:
                     num_warps=self.warps)
 
 
-def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Plan:
-    s = settings.SETTINGS
-    batch, _, heads, dim = q.shape
-    kv_heads, dv = k.shape[2], v.shape[-1]
-    per_head = mixing.dim() == 3
+class _Signature(NamedTuple):
+    """All a plan depends on: the inputs' shapes, dtype and device, the options, the settings table in force and
+    the device's facts. A cache key (`_launches_of`)."""
+
+    q_shape: torch.Size
+    kv_heads: int
+    dv: int
+    per_head: bool  # mixing (H, M, M)
+    dtype: torch.dtype
+    device: torch.device
+    layout: BlockLayout
+    causal: bool
+    phi: Callable
+    normalize: bool
+    scale: float
+    eps: float
+    settings: settings.Settings
+    wanted: int
+    chained: bool
+
+
+def _plan(sig: _Signature) -> _Plan:
+    s, layout, causal = sig.settings, sig.layout, sig.causal
+    batch, _, heads, dim = sig.q_shape
+    kv_heads, dv, per_head = sig.kv_heads, sig.dv, sig.per_head
     pad = (1,) * (3 - len(layout.grid))
     grid, size, blocks = pad + layout.grid, pad + layout.block_size, pad + layout.blocks
     t = layout.tokens_per_block
@@ -205,9 +228,9 @@ def _plan(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale
     bd, bdv = _p2(dim), _p2(dv)
     return _Plan(
         batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks,
-        dim * dv + dim, causal, _PHI_IDS[id(phi)], normalize, scale, eps, geometry, bt, bd, bdv,
-        "ieee" if q.dtype == torch.float32 else "tf32", per_head, s.wide_warps if max(bd, bdv) >= 128 else s.warps,
-        _programs_wanted(q.device), _chained(q.device),
+        dim * dv + dim, causal, _PHI_IDS[id(sig.phi)], sig.normalize, sig.scale, sig.eps, geometry, bt, bd, bdv,
+        "ieee" if sig.dtype == torch.float32 else "tf32", per_head, s.wide_warps if max(bd, bdv) >= 128 else s.warps,
+        sig.wanted, sig.chained,
     )
 
 
@@ -547,35 +570,46 @@ def _mixing_grad(p: _Plan, dst, s, part, dmii, f: _Launches):
 
 class MHLAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mixing, plan: _Plan):
-        ctx.plan, ctx.launches = plan, _Launches(plan)
-        s, st, o = _forward(plan, q, k, v, mixing, ctx.launches)
+    def forward(ctx, q, k, v, mixing, f: _Launches):
+        ctx.launches = f
+        s, st, o = _forward(f.p, q, k, v, mixing, f)
         ctx.save_for_backward(q, k, v, mixing, s, st, o)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, mixing, s, st, o = ctx.saved_tensors
-        dq, dk, dv, dmix = _backward(ctx.plan, q, k, v, mixing, s, st, o, do.contiguous(), ctx.needs_input_grad[3],
-                                     ctx.launches)
+        f = ctx.launches
+        dq, dk, dv, dmix = _backward(f.p, q, k, v, mixing, s, st, o, do.contiguous(), ctx.needs_input_grad[3], f)
         return dq, dk, dv, dmix, None
 
 
-def _plan_for(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Plan:
-    """The plan of contiguous inputs; raises when the kernels do not take them."""
+@functools.lru_cache(maxsize=256)
+def _launches_of(sig: _Signature) -> _Launches:
+    """One `_Launches` per signature, shared by every call with it (and by threads: it holds only integers and
+    settings, and its properties, computed once, are the same whoever computes them). An eager call at a small
+    shape would otherwise spend as long planning its launches as Triton spends launching them."""
+    return _Launches(_plan(sig))
+
+
+def _launches_for(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Launches:
+    """The launches of contiguous inputs; raises when the kernels do not take them."""
     reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    return _plan(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    return _launches_of(_Signature(
+        q.shape, k.shape[2], v.shape[-1], mixing.dim() == 3, q.dtype, q.device, layout, causal, phi, normalize,
+        scale, eps, settings.SETTINGS, _programs_wanted(q.device), _chained(q.device),
+    ))
 
 
 def mhla_attention_triton(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps):
     """The Triton backend (same contract as `ops.mhla.mhla_attention_torch`)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # dq, dk, dv are written with q's, k's, v's strides
-    plan = _plan_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    f = _launches_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mixing.requires_grad):
-        return MHLAFunction.apply(q, k, v, mixing.contiguous(), plan)
-    return _inference(plan, q, k, v, mixing.contiguous())
+        return MHLAFunction.apply(q, k, v, mixing.contiguous(), f)
+    return _inference(f, q, k, v, mixing.contiguous())
 
 
 def mhla_attention_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps,
@@ -584,13 +618,12 @@ def mhla_attention_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, 
     (the backward of the custom op `ops.mhla.attention_op`, which keeps nothing from its forward). dmixing is
     zeros unless needs_grad[3]."""
     q, k, v, mixing = q.contiguous(), k.contiguous(), v.contiguous(), mixing.contiguous()
-    plan = _plan_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
-    f = _Launches(plan)
-    s, st, o = _forward(plan, q, k, v, mixing, f)
-    dq, dk, dv, dmix = _backward(plan, q, k, v, mixing, s, st, o, do.contiguous(), needs_grad[3], f)
+    f = _launches_for(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+    s, st, o = _forward(f.p, q, k, v, mixing, f)
+    dq, dk, dv, dmix = _backward(f.p, q, k, v, mixing, s, st, o, do.contiguous(), needs_grad[3], f)
     return dq, dk, dv, torch.zeros_like(mixing) if dmix is None else dmix
 
 
-def _inference(p: _Plan, q, k, v, mixing):
+def _inference(f: _Launches, q, k, v, mixing):
     """The output alone: no autograd node, nothing kept, half-precision summaries."""
-    return _forward(p, q, k, v, mixing, _Launches(p), half_summaries=True)[2]
+    return _forward(f.p, q, k, v, mixing, f, half_summaries=True)[2]

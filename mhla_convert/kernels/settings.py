@@ -68,9 +68,10 @@ def _mix_sweep() -> dict[tuple[int, str], tuple[int, int, int, int]]:
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Settings:
-    """The launch settings (one instance: `SETTINGS`)."""
+    """The launch settings (one instance: `SETTINGS`). Compared and hashed by identity: the launch planners cache
+    their plans per table, so a replaced table (`dataclasses.replace`) is planned afresh."""
 
     # largest head dim (D and Dv) the kernels take: one (D, Dv) float32 summary tile lives in a program's registers
     max_head_dim: int = 128
