@@ -170,6 +170,35 @@ def test_recipe_auto_draws_calibration_from_its_data_and_rebuilds_reuse_the_plan
     assert rebuilt.converted == built.converted and rebuilt.model.mhla_plan["sensitivity"] == built.report.sensitivity
 
 
+@pytest.mark.parametrize("others", [[[0, 2]], [[0, 2], [1, 2]]], ids=["agree", "differ"])
+def test_recipe_auto_stops_every_process_when_their_choices_differ(others, monkeypatch):
+    """Each process scores the layers on its own device: a run whose processes chose different layers stops on
+    every process with the choices and the recipe line that fixes them (else each would train another model)."""
+    import accelerate.utils
+    from accelerate import PartialState
+
+    from mhla_convert.train import TrainError, parse_recipe
+    from mhla_convert.train.build import build_model
+
+    recipe = parse_recipe(
+        "model: {name: tiny-llama}\n"
+        "conversion: {ratio: 0.5, strategy: auto, calibration_batches: 1, options: {chunk_size: 8}}\n"
+        "data: {kind: synthetic, num_samples: 4, batch_size: 2, context_length: 16}\n"
+        "stages: [{name: finetune, steps: 1}]\n", "r.yaml")
+    gathered = []
+    monkeypatch.setitem(PartialState()._shared_state, "num_processes", 1 + len(others))  # (this process: the main)
+    monkeypatch.setattr(accelerate.utils, "gather_object",
+                        lambda mine: gathered.append(mine) or [mine[0], *[[*o] for o in others]])
+    monkeypatch.setattr(CONVERT, "layer_sensitivity", lambda *a, **k: {0: 0.1, 1: 0.9, 2: 0.2, 3: 0.8})
+    if others[-1] == [0, 2]:
+        assert build_model(recipe, teachers=False).converted == [0, 2]
+    else:
+        with pytest.raises(TrainError, match=r"process 0: \[0, 2\]; process 1: \[0, 2\]; process 2: \[1, 2\].*"
+                                             r"conversion.layers: \[0, 2\]"):
+            build_model(recipe, teachers=False)
+    assert gathered == [[[0, 2]]]
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-dit"])
 def test_a_short_fit_before_scoring_brings_layers_closer_and_leaves_the_model_alone(tiny, name):
     model = sharp_llama(tiny) if name == "tiny-llama" else sharp_dit(tiny)

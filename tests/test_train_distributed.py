@@ -108,5 +108,54 @@ def test_fsdp2_two_stage_recipe_resumes_in_either_stage(tmp_path):
     assert attention and all(not torch.equal(full[k], base[k]) for k in attention)
 
 
+AUTO = """\
+model: {name: tiny-dit}
+conversion: {ratio: 0.5, strategy: auto, calibration_batches: 1}
+data: {kind: synthetic, num_samples: 8, batch_size: 2}
+stages: [{name: finetune, steps: 2}]
+logging: {trackers: []}
+"""
+
+
+def _auto_runs(out: Path) -> None:
+    """Strategy auto under a 2-process launch: scored alike on both processes it trains; with scores that differ
+    by process (as on devices whose kernels round differently) every process stops with the conversion error,
+    which each writes to error_RANK.txt."""
+    from accelerate import PartialState
+
+    from mhla_convert.families import adapter_for_model
+    from mhla_convert.train import TrainError, parse_recipe
+    from mhla_convert.train.trainer import train
+
+    torch.distributed.destroy_process_group = lambda *_, **__: None  # (two runs share this launch)
+    recipe, quiet = parse_recipe(AUTO), lambda *_: None
+    train(recipe, out / "agree", log=quiet)
+    rank = PartialState().process_index
+
+    def by_rank(model, *_, **__):
+        layers = range(len(adapter_for_model(model).attention_modules(model)))
+        return {i: float((i + rank) % 2) + 0.01 * i for i in layers}
+
+    sys.modules["mhla_convert.convert"].layer_sensitivity = by_rank
+    try:
+        train(recipe, out / "differ", log=quiet)
+    except TrainError as exc:
+        (out / f"error_{rank}.txt").write_text(str(exc))
+
+
+def test_auto_layer_choice_agrees_across_processes(tmp_path):
+    result = _launch([__file__, "auto", str(tmp_path)], 29521, "--multi_gpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    import json
+
+    assert json.loads((tmp_path / "agree" / "model" / "mhla_config.json").read_text())["plan"]["strategy"] == "auto"
+    for rank in (0, 1):
+        error = (tmp_path / f"error_{rank}.txt").read_text()
+        assert "chose different layers on different processes" in error and "process 1: [1, 3, 5]" in error, error
+
+
 if __name__ == "__main__":  # the body of an `accelerate launch` above
-    _fsdp_runs(Path(sys.argv[1]))
+    if sys.argv[1] == "auto":
+        _auto_runs(Path(sys.argv[2]))
+    else:
+        _fsdp_runs(Path(sys.argv[1]))

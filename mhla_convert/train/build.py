@@ -70,8 +70,29 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
                              attention=c.attention, calibration=calibration, **c.options)
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
+    if not plan and auto:
+        _same_choice_on_every_process(report.converted)
     kept = [originals[i] for i in report.converted] if originals else []
     return Built(model, adapter, list(report.converted), kept, report)
+
+
+def _same_choice_on_every_process(converted: list[int]) -> None:
+    """Strategy auto scores the layers on every process, each on its own device. Their choices must agree, or each
+    process would train a different model (and the run would fail later, far from the cause, on mismatched
+    parameters). Every process sees every choice, so all of them stop together."""
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    if PartialState().num_processes < 2:
+        return
+    chosen = gather_object([sorted(converted)])
+    if any(layers != chosen[0] for layers in chosen):
+        per_process = "; ".join(f"process {rank}: {layers}" for rank, layers in enumerate(chosen))
+        raise TrainError(
+            f"conversion: strategy auto chose different layers on different processes ({per_process}), as their "
+            f"calibration scores differ by device; set conversion.layers: {chosen[0]} in the recipe to train the "
+            "main process's choice"
+        )
 
 
 def _check_conversion(recipe: Recipe, source) -> None:
