@@ -105,17 +105,20 @@ def _run(case, tensors, backend, grad_out):
     return [out.detach().float()] + [t.grad.float() for t in tensors]
 
 
-def _assert_close(name, got, want, own, tol):
-    """got against the float32 reference want: within tol, or, for half inputs, within twice the torch
+def _assert_close(name, got, want, own, tol, times=2.0):
+    """got against the float32 reference want: within tol, or, for half inputs, within `times` the torch
     path's own error `own` in that dtype (same inputs, float32 accumulation; tol is then only a floor)."""
     assert torch.isfinite(got).all(), f"{name}: non-finite (an unwritten element?)"
     err = ((got.float() - want).norm() / want.norm()).item()
-    bound = tol if own is None else max(tol, 2 * ((own.float() - want).norm() / want.norm()).item())
-    assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in its dtype: {bound / 2:.1e})"
+    own_err = None if own is None else ((own.float() - want).norm() / want.norm()).item()
+    bound = tol if own is None else max(tol, times * own_err)
+    assert err < bound, f"{name}: relative error {err:.2e} ≥ {bound:.1e} (torch path in its dtype: {own_err})"
 
 
-# bf16: the mixing gradient's own floor, causal as non-causal (its errors are 1.1-2x the torch path's own)
-MIXING_TOL = {torch.bfloat16: 4e-3}
+# The mixing gradient's (floor, times the torch path's own error) for half inputs. bf16: a floor, causal as
+# non-causal (its errors are 1.1-2x the torch path's own). fp16: its own error alone (1-2x with the float32
+# summaries' products as tf32x3; as tf32 they were 2.7-3.8x)
+MIXING_BOUND = {torch.bfloat16: (4e-3, 2.0), torch.float16: (1e-5, 2.5)}
 
 
 def _compare(case, dtype, device, tol):
@@ -129,7 +132,8 @@ def _compare(case, dtype, device, tol):
     got = _run(case, tensors, "triton", grad_out.to(dtype))
     own = _run(case, tensors, "torch", grad_out.to(dtype)) if dtype != torch.float32 else [None] * len(got)
     for name, g, w, o in zip(("out", "dq", "dk", "dv", "dmixing"), got, want, own):
-        _assert_close(name, g, w, o, min(tol, MIXING_TOL.get(dtype, tol)) if name == "dmixing" else tol)
+        floor, times = MIXING_BOUND.get(dtype, (tol, 2.0)) if name == "dmixing" else (tol, 2.0)
+        _assert_close(name, g, w, o, min(tol, floor), times)
 
 
 @interp
@@ -403,8 +407,11 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
 def test_many_blocks_mixed_by_matmul_over_hi_lo_halves(name, monkeypatch):
     """Training at many blocks (here forced on few): torch.matmul mixes the summaries' and dS̃'s hi halves, forward
     and transposed (per-head mixing over grouped key heads: their mixingsᵀ side by side), the mixing gradient's
-    partials take both halves of both, and each buffer's lo half is found (half inputs)."""
+    partials take both halves of both, and each buffer's lo half is found (half inputs). The mixing weights, rounded
+    to the halves' precision (the many-blocks trade), reach the mixing gradient through dS̃: up to 2.6x the torch
+    path's own error at these few fp16 blocks (1.5x at 512 chunks on a GPU)."""
     _settings(monkeypatch, matmul_mix_min_blocks=1)
+    monkeypatch.setitem(MIXING_BOUND, torch.float16, (1e-5, 3.0))
     matmuls, real_matmul = [], mhla_triton._mix_matmul
     monkeypatch.setattr(mhla_triton, "_mix_matmul", lambda *a, **kw: matmuls.append(kw) or real_matmul(*a, **kw))
     launched = _half_training_launches(CASES[name], monkeypatch)

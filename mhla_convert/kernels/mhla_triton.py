@@ -42,6 +42,8 @@ from . import settings
 KERNEL_FEATURE_MAPS = {"relu": 0, "elu": 1}  # the feature maps the kernels apply, by name: their PHI ids
 _PHI_IDS = {id(FEATURE_MAPS[name]): phi for name, phi in KERNEL_FEATURE_MAPS.items()}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# the mixing gradient's product precision per input dtype (`_Plan.dmix_prec`)
+_DMIX_PRECISION = {torch.float16: "tf32x3", torch.bfloat16: "tf32", torch.float32: "ieee"}
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # (Triton reads it once too, at import)
 
 
@@ -171,6 +173,9 @@ class _Plan:
     warps: int
     wanted: int  # programs that fill the device (`_programs_wanted`)
     chained: bool  # launches chained by programmatic dependent launch (`_chained`)
+    # the mixing gradient's products of float32 summaries and dS̃ (`_dmix_kernel`): tf32 rounds them to fp16's own
+    # precision, which left fp16 gradients at 3-4x the torch path's error; three tf32 products (tf32x3) keep float32's
+    dmix_prec: str
 
     @property
     def half_inputs(self) -> bool:
@@ -230,7 +235,7 @@ def _plan(sig: _Signature) -> _Plan:
         batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks,
         dim * dv + dim, causal, _PHI_IDS[id(sig.phi)], sig.normalize, sig.scale, sig.eps, geometry, bt, bd, bdv,
         "ieee" if sig.dtype == torch.float32 else "tf32", per_head, s.wide_warps if max(bd, bdv) >= 128 else s.warps,
-        sig.wanted, sig.chained,
+        sig.wanted, sig.chained, _DMIX_PRECISION[sig.dtype],
     )
 
 
@@ -377,7 +382,7 @@ class _Launches:
         splits = max(1, min(_cdiv(p.cols, bk), _cdiv(wanted, p.batch * p.mix_heads * tiles)))
         split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
         splits = _cdiv(p.cols, split_cols)
-        kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
+        kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps, **p.chain_kw())
         if self.hilo:  # dS̃ and S as halves: their lo halves' offsets
             kw.update(HILO=True, LO_A=self._lo(p.mix_heads), LO_X=self._lo(p.kv_heads))
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
