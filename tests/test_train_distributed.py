@@ -127,6 +127,7 @@ def _auto_runs(out: Path) -> None:
     from mhla_convert.train import TrainError, parse_recipe
     from mhla_convert.train.trainer import train
 
+    destroy = torch.distributed.destroy_process_group
     torch.distributed.destroy_process_group = lambda *_, **__: None  # (two runs share this launch)
     recipe, quiet = parse_recipe(AUTO), lambda *_: None
     train(recipe, out / "agree", log=quiet)
@@ -141,6 +142,8 @@ def _auto_runs(out: Path) -> None:
         train(recipe, out / "differ", log=quiet)
     except TrainError as exc:
         (out / f"error_{rank}.txt").write_text(str(exc))
+    torch.distributed.barrier()  # both processes past the error before either tears the group down
+    destroy()
 
 
 def test_auto_layer_choice_agrees_across_processes(tmp_path):
