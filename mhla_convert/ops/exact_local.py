@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from .blocks import BlockLayout
 from .dispatch import select
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
-from .library import backend_grads, empty_grads
+from .library import backend_grads, empty_grads, register_recompute_autograd
 from .recurrent import MHLAState, advance, init_state, step_terms
 
 
@@ -162,18 +162,7 @@ def _(grad, q, k, v, mixing, *rest):
     return empty_grads(q, k, v, mixing)
 
 
-def _setup_exact(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5])
-    ctx.options = inputs[5:]
-
-
-def _exact_grads(ctx, grad):
-    q, k, v, mixing, key_mask = ctx.saved_tensors
-    grads = exact_attention_backward_op(grad, q, k, v, mixing, key_mask, list(ctx.needs_input_grad[:4]), *ctx.options)
-    return (*grads, None, *[None] * len(ctx.options))
-
-
-exact_attention_op.register_autograd(_exact_grads, setup_context=_setup_exact)
+register_recompute_autograd(exact_attention_op, exact_attention_backward_op, saved=5, differentiable=4)  # (key_mask)
 
 
 @dataclass

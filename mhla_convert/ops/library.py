@@ -1,4 +1,5 @@
-"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.recurrent.recurrent_step_op`)."""
+"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.exact_local.exact_attention_op`,
+`ops.recurrent.recurrent_step_op`): gradients by recomputation and the autograd wiring to a backward op."""
 
 from __future__ import annotations
 
@@ -51,3 +52,19 @@ def backend_grads(impl: Callable, grad: torch.Tensor, inputs: Sequence[torch.Ten
 def empty_grads(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What a backward op's fake implementation returns: one contiguous gradient per input."""
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs)
+
+
+def register_recompute_autograd(op, backward_op, *, saved: int, differentiable: int) -> None:
+    """Make `op` differentiable through `backward_op`, which recomputes from the inputs alone: it takes the
+    output gradients, `op`'s first `saved` tensor arguments, which of the first `differentiable` of them need a
+    gradient, and `op`'s remaining arguments, and returns one gradient for each of those `differentiable`."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:saved])
+        ctx.options = inputs[saved:]
+
+    def backward(ctx, *grads):
+        found = backward_op(*grads, *ctx.saved_tensors, list(ctx.needs_input_grad[:differentiable]), *ctx.options)
+        return (*found, *[None] * (saved - differentiable + len(ctx.options)))
+
+    op.register_autograd(backward, setup_context=setup_context)

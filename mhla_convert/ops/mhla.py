@@ -28,7 +28,7 @@ from .blocks import BlockLayout, as_axes
 from .dispatch import available_backends, select
 from .exact_local import exact_attention
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
-from .library import backend_grads, empty_grads
+from .library import backend_grads, empty_grads, register_recompute_autograd
 
 Backend = Literal["auto", "torch", "triton"]
 # Names always accepted as options: a model saved for "triton" still loads where Triton is missing
@@ -238,14 +238,4 @@ def _(grad, q, k, v, mixing, *rest):
     return empty_grads(q, k, v, mixing)
 
 
-def _setup_attention(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:4])
-    ctx.options = inputs[4:]
-
-
-def _attention_grads(ctx, grad):
-    grads = attention_backward_op(grad, *ctx.saved_tensors, list(ctx.needs_input_grad[:4]), *ctx.options)
-    return (*grads, *[None] * len(ctx.options))
-
-
-attention_op.register_autograd(_attention_grads, setup_context=_setup_attention)
+register_recompute_autograd(attention_op, attention_backward_op, saved=4, differentiable=4)

@@ -20,7 +20,7 @@ import torch
 from .blocks import BlockLayout
 from .dispatch import select
 from .feature_maps import FEATURE_MAPS, FeatureMap, resolve_feature_map
-from .library import grads_by_recompute
+from .library import grads_by_recompute, register_recompute_autograd
 
 _STATE_TENSORS = ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z")
 
@@ -211,15 +211,4 @@ def _(grad_out, grad_s, grad_z, *args):
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in args[:10]]
 
 
-def _setup_step(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:10])
-    ctx.options = inputs[10:]
-
-
-def _step_grads(ctx, grad_out, grad_s, grad_z):
-    grads = recurrent_step_backward_op(grad_out, grad_s, grad_z, *ctx.saved_tensors, list(ctx.needs_input_grad[:10]),
-                                       *ctx.options)
-    return (*grads, *[None] * len(ctx.options))
-
-
-recurrent_step_op.register_autograd(_step_grads, setup_context=_setup_step)
+register_recompute_autograd(recurrent_step_op, recurrent_step_backward_op, saved=10, differentiable=10)
