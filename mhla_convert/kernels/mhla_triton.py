@@ -176,6 +176,7 @@ class _Plan:
     # the mixing gradient's products of float32 summaries and dS̃ (`_dmix_kernel`): tf32 rounds them to fp16's own
     # precision, which left fp16 gradients at 3-4x the torch path's error; three tf32 products (tf32x3) keep float32's
     dmix_prec: str
+    settings: settings.Settings  # the table the plan was made with, which its launches read too
 
     @property
     def half_inputs(self) -> bool:
@@ -235,7 +236,7 @@ def _plan(sig: _Signature) -> _Plan:
         batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks,
         dim * dv + dim, causal, _PHI_IDS[id(sig.phi)], sig.normalize, sig.scale, sig.eps, geometry, bt, bd, bdv,
         "ieee" if sig.dtype == torch.float32 else "tf32", per_head, s.wide_warps if max(bd, bdv) >= 128 else s.warps,
-        sig.wanted, sig.chained, _DMIX_PRECISION[sig.dtype],
+        sig.wanted, sig.chained, _DMIX_PRECISION[sig.dtype], s,
     )
 
 
@@ -250,7 +251,9 @@ _OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float":
 
 class _Launches:
     """The launches of one plan, each made on first use: (grid, integer arguments, keyword arguments), or for
-    the mixing GEMMs (kernel, launch). One object per call (training: per forward, kept for its backward)."""
+    the mixing GEMMs (kernel, launch). One object per input signature (`_launches_of`), shared by every call
+    with it; training keeps the forward's for its backward. Launches read the plan's settings table, never the
+    current one."""
 
     def __init__(self, p: _Plan):
         self.p = p
@@ -259,7 +262,8 @@ class _Launches:
         """Tile and launch keyword arguments of one token-row launch: the plan's (its warps, Triton's default
         stages, its token tile), then the launch's entry of the settings per head dim. The summaries and
         readout shapes cover a head dim like 72 in two power-of-two column parts (`head_dim_parts`; non-causal)."""
-        p, s = self.p, settings.SETTINGS
+        p = self.p
+        s = p.settings
         kw = p.tile_kw()
         table = s.causal_launches if p.causal else s.launches
         own = table.get(name, {}).get(p.dim) if p.dim == p.dv else None
@@ -310,7 +314,7 @@ class _Launches:
         p = self.p
         if not p.half_inputs or self.summaries[2]["ATOMIC"] or self._bwd_summaries_float[2]["ATOMIC"]:
             return False
-        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= settings.SETTINGS.matmul_mix_min_blocks
+        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= p.settings.matmul_mix_min_blocks
 
     @cached_property
     def _mix_t_halves(self):
@@ -374,7 +378,7 @@ class _Launches:
     def dmix(self):
         """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
         p = self.p
-        s = settings.SETTINGS
+        s = p.settings
         tile, bk, warps, per_sm = s.dmix_tiles
         bm = bn = min(tile, max(32, _p2(p.m)))
         tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
@@ -397,7 +401,7 @@ class _Launches:
         else:
             parts = self.dmix[0][0]
         rows = p.mix_heads if p.per_head else 1
-        br, bc, warps = settings.SETTINGS.sum_tiles
+        br, bc, warps = p.settings.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
         return (rows, _cdiv(p.m * p.m, bc)), (), kw
 
@@ -409,7 +413,7 @@ def _mix_launch(p: _Plan, kind: str):
     "mix_t": out[b, hk] = Σ over the mixing heads of key head hk of mixᵀ @ dS̃ (the one-tile kernel also
     yields the mixing gradient's partials), with dS̃ and S as hi + lo halves; "mix_t_float": the same over
     float32 ones (its own launch setting: the tiles take twice the shared memory)."""
-    s = settings.SETTINGS
+    s = p.settings
     m, cols = p.m, p.cols
     if kind.startswith("mix_t"):
         h_in, h_out, r, gx, a_si, a_sk, mask = p.mix_heads, p.kv_heads, p.mix_heads // p.kv_heads, 1, 1, m, 2
@@ -489,7 +493,7 @@ def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches):
     """S̃ = mixing @ S in the inputs' `dtype`, from any of `_summaries`'s forms (of hi + lo, the rounded sums).
     Float32 summaries keep the mixing weights' float32 precision in the product (`_mix_dot`)."""
     s = s[0] if s.dim() == 5 else s
-    if s.dtype == dtype != torch.float32 and p.m >= settings.SETTINGS.matmul_mix_min_blocks:
+    if s.dtype == dtype != torch.float32 and p.m >= p.settings.matmul_mix_min_blocks:
         return _mix_matmul(p, mixing, s)
     return _mix(p, mixing, s, _new(p.batch, p.mix_heads, p.m, p.cols, device=s.device, dtype=dtype),
                 kind="mix_half" if s.dtype != torch.float32 else "mix", f=f)
