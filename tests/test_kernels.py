@@ -331,16 +331,14 @@ def test_weighted_summaries_keep_float32_token_weights(dtype, split, monkeypatch
         assert err < 2e-5, f"{name}: relative error {err:.1e} (a sum or W[1] rounded to half precision?)"
 
 
-@pytest.mark.parametrize("one_tile", [True, False], ids=["one-tile", "many-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
-    """Training's summaries as two halves (where the one-tile kernel makes the mixing gradient, or torch.matmul
-    mixes many blocks): hi + lo hold them to 16 significant bits, and the mixing gradient's partials
-    ⟨dS̃_i, S_j⟩ (dS̃ as halves too) use both parts: within 1e-3 of float64 in bf16 (the rounded parts alone:
-    ~2e-3), 1e-5 under the interpreter in fp16 (~2e-4)."""
+def test_training_summaries_as_hi_lo_halves(dtype, monkeypatch):
+    """Training's summaries as two halves where the one-tile kernel makes the mixing gradient: hi + lo hold them
+    to 16 significant bits, and the mixing gradient's partials ⟨dS̃_i, S_j⟩ (dS̃ as halves too) use both parts:
+    within 1e-3 of float64 in bf16 (the rounded parts alone: ~2e-3), 1e-5 under the interpreter in fp16 (~2e-4)."""
     if not (INTERPRETED or CUDA) or (INTERPRETED and dtype == torch.bfloat16):
         pytest.skip("needs the interpreter or a GPU (and the interpreter's bf16 tl.dot is wrong: Triton 3.6)")
-    _settings(monkeypatch, **(dict(mix_sweep=ONE_TILE_16) if one_tile else dict(matmul_mix_min_blocks=1)))
+    _settings(monkeypatch, mix_sweep=ONE_TILE_16)
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     layout = BlockLayout.create((7, 9), (2, 3))
@@ -351,7 +349,7 @@ def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
     f = mhla_triton._launches_for(k, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"),
                                   normalize=True, scale=1.0, eps=1e-6)
     plan = f.p
-    assert f.hilo
+    assert f.form == "hilo"
     s = mhla_triton._summaries(plan, k, v, f=f)
     fk = torch.relu(k.double())
     want = torch.cat([_block_sums(fk, v, layout), _block_sums(fk, torch.ones_like(k[..., :1]), layout)], -1)
@@ -361,13 +359,51 @@ def test_training_summaries_as_hi_lo_halves(dtype, one_tile, monkeypatch):
     dst_hi = dst.to(dtype)  # (dS̃ as the dS̃ launch leaves it: hi + lo halves)
     halves = torch.stack([dst_hi, (dst - dst_hi.float()).to(dtype)])
     want_grad = torch.einsum("bhic,bhjc->bhij", dst.double(), want)
-    if one_tile:
-        _, part = mhla_triton._mix_t(plan, mixing, halves, s, dtype, f)
-        grad = part.view(heads, batch, -1, plan.m, plan.m).sum(2).transpose(0, 1).double()  # (head, batch, split)
-    else:  # (shared mixing: the partials summed over batch and heads)
-        grad, want_grad = mhla_triton._mixing_grad(plan, halves, s, None, None, f).double(), want_grad.sum((0, 1))
+    _, part = mhla_triton._mix_t(plan, mixing, halves, s, dtype, f)
+    grad = part.view(heads, batch, -1, plan.m, plan.m).sum(2).transpose(0, 1).double()  # (head, batch, split)
     err = ((grad - want_grad).norm() / want_grad.norm()).item()
     assert err < (1e-3 if CUDA else 1e-5), f"mixing gradient partials: relative error {err:.1e} (lo not added?)"
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "half"])
+def test_mixing_gradient_partials_split_over_programs(half, causal, per_head, monkeypatch):
+    """The mixing gradient's ⟨dS̃_i, S_j⟩ (`_dmix_kernel`, summed by `_sum_partials_kernel`): each group's flat run
+    of (batch, head, column tile) steps is cut into splits, the last one short (ragged column tiles too), over
+    float32 or half dS̃ and S, shared mixing (summed over heads) or per head over grouped key heads: against
+    float64 sums of the same values, at every device fill."""
+    if half and not (INTERPRETED or CUDA):
+        pytest.skip("needs the interpreter or a GPU")
+    dtype = (torch.bfloat16 if CUDA else torch.float16) if half else torch.float32
+    device = "cuda" if CUDA else "cpu"
+    batch, heads, kv_heads, dim, dv = 3, 4, 2, 16, 8
+    layout = BlockLayout.chunked(37, 4) if causal else BlockLayout.create((6, 7), (3, 2))
+    m = layout.num_blocks
+    torch.manual_seed(0)
+    q = torch.randn(batch, layout.num_tokens, heads, dim, device=device, dtype=dtype)
+    k = torch.randn(batch, layout.num_tokens, kv_heads, dim, device=device, dtype=dtype)
+    v = torch.randn(batch, layout.num_tokens, kv_heads, dv, device=device, dtype=dtype)
+    mixing = torch.rand(*((heads,) if per_head else ()), m, m, device=device)
+    mix_heads, ragged = heads if per_head else kv_heads, False
+    dst = torch.randn(batch, mix_heads, m, dim * dv + dim, device=device).to(dtype)
+    s = torch.randn(batch, kv_heads, m, dim * dv + dim, device=device).to(dtype)
+    x = s.double().repeat_interleave(mix_heads // kv_heads, 1)
+    want = torch.einsum("bhic,bhjc->hij", dst.double(), x)
+    want = (want.tril(-1) if causal else want).sum(0) if not per_head else want.tril(-1) if causal else want
+    for fill in (1, 8, 22, 10**4):
+        monkeypatch.setattr(mhla_triton, "_programs_wanted", lambda device, fill=fill: fill)
+        f = mhla_triton._launches_for(q, k, v, mixing, layout, causal=causal, phi=resolve_feature_map("relu"),
+                                      normalize=True, scale=1.0, eps=1e-6)
+        grid, (*_, per, splits), _ = f.dmix
+        steps = batch * (1 if per_head else mix_heads) * -(-(dim * dv + dim) // 64)
+        assert splits == -(-steps // per) and grid[0] == splits * (heads if per_head else 1)
+        ragged |= splits * per > steps
+        dmii = torch.zeros(batch, heads, m, device=device)
+        got = mhla_triton._mixing_grad(f.p, dst, s, None, dmii, f).double()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < (1e-5 if CUDA else 1e-6), f"fill {fill}: relative error {err:.1e}"
+    assert ragged
 
 
 def _half_training_launches(case, monkeypatch):
@@ -404,23 +440,23 @@ def test_one_tile_mixing_in_training(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["causal-ragged-gqa", "causal-blocks", "3d-odd-grid-gqa-per-head-elu-unnorm",
                                   "1d-gqa-shared"])
-def test_many_blocks_mixed_by_matmul_over_hi_lo_halves(name, monkeypatch):
-    """Training at many blocks (here forced on few): torch.matmul mixes the summaries' and dS̃'s hi halves, forward
-    and transposed (per-head mixing over grouped key heads: their mixingsᵀ side by side), the mixing gradient's
-    partials take both halves of both, and each buffer's lo half is found (half inputs). The mixing weights, rounded
-    to the halves' precision (the many-blocks trade), reach the mixing gradient through dS̃: up to 2.6x the torch
-    path's own error at these few fp16 blocks (1.5x at 512 chunks on a GPU)."""
+def test_many_blocks_mixed_by_matmul_over_half_summaries(name, monkeypatch):
+    """Training at many blocks (here forced on few): the summaries and dS̃ are written in half precision,
+    torch.matmul mixes them, forward and transposed (per-head mixing over grouped key heads: their mixingsᵀ side by
+    side), and the mixing gradient's partials are half products of them (half inputs): here within the fp16 bound
+    (2.5x the torch path's own error; 1.3-2.2x at these few blocks)."""
     _settings(monkeypatch, matmul_mix_min_blocks=1)
-    monkeypatch.setitem(MIXING_BOUND, torch.float16, (1e-5, 3.0))
     matmuls, real_matmul = [], mhla_triton._mix_matmul
     monkeypatch.setattr(mhla_triton, "_mix_matmul", lambda *a, **kw: matmuls.append(kw) or real_matmul(*a, **kw))
+    written, real_run = [], mhla_triton._run
+    monkeypatch.setattr(mhla_triton, "_run", lambda fn, launch, t: written.append((fn, t)) or real_run(fn, launch, t))
     launched = _half_training_launches(CASES[name], monkeypatch)
     kernels = {fn for fn, _ in launched}
     assert mhla_triton.K._mix_sweep_kernel not in kernels and mhla_triton.K._mix_kernel not in kernels
     assert matmuls == [{}, {"transposed": True}]
-    halves = (mhla_triton.K._summaries_kernel, mhla_triton.K._dmix_kernel)
-    hilo = [kw.get("HILO", False) for fn, kw in launched if fn in halves]
-    assert hilo == [True] * 3  # (S and dS̃ written as halves, the partials made from them)
+    half = torch.bfloat16 if CUDA else torch.float16
+    assert {t[2].dtype for fn, t in written if fn is mhla_triton.K._summaries_kernel} == {half}  # (S and dS̃)
+    assert not any(kw.get("HILO", False) for fn, kw in launched) and mhla_triton.K._dmix_kernel in kernels
 
 
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")

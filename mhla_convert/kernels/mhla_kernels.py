@@ -534,39 +534,43 @@ def _bwd_key_kernel(
 
 @triton.jit
 def _dmix_kernel(
-    DST, S, PART, HMIX, GX, M, COLS: tl.constexpr, SPLIT, SPLIT_COLS: tl.constexpr, STRICT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
-    HILO: tl.constexpr = False, LO_A=0, LO_X=0,
+    DST, S, PART, HMIX, GX, NB, M, COLS: tl.constexpr, STEPS: tl.constexpr, SPLIT, PER_HEAD: tl.constexpr,
+    STRICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """PART[(p, b, split), i, j] = ⟨dS̃_i, S_j⟩ over one column range (numerator and normaliser), summed
-    by `_sum_partials_kernel`. HILO: dS̃ and S as two halves each (their lo halves LO_A and LO_X elements on),
-    the product as three half-precision ones (lo · lo is below both's precision)."""
+    """PART[(g, split), i, j] = ⟨dS̃_i, S_j⟩ (numerator and normaliser) over one split of a group's column
+    steps, summed by `_sum_partials_kernel`. A group (g) is one mixing head's (batch, column tile) steps
+    (PER_HEAD), else every (batch, mixing head, column tile) step: the splits cut that flat sequence into
+    STEPS-long runs, so the launch's programs fill the device evenly whatever the heads and columns. Float32
+    dS̃ and S: products at DOT_PREC; half ones: half-precision products."""
     _chained(PDL)
     pid, pi, pj = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    sp, pb = pid % SPLIT, pid // SPLIT
-    nb = tl.num_programs(0) // (HMIX * SPLIT)
-    p, b = pb // nb, pb % nb
+    sp, g = pid % SPLIT, pid // SPLIT
     i = pi * BM + tl.arange(0, BM)
     jj = pj * BN + tl.arange(0, BN)
-    ap = DST + (b * HMIX + p).to(tl.int64) * M * COLS
-    xp = S + (b * (HMIX // GX) + p // GX).to(tl.int64) * M * COLS
+    col_tiles: tl.constexpr = (COLS + BK - 1) // BK
+    total = NB * col_tiles if PER_HEAD else NB * HMIX * col_tiles
     acc = tl.zeros((BM, BN), tl.float32)
     live = True
     if STRICT:  # tiles on or above the diagonal get no gradient through the summaries
         live = pj * BN < pi * BM + BM - 1
     if live:
-        for c0 in range(0, SPLIT_COLS, BK):
-            c = sp * SPLIT_COLS + c0 + tl.arange(0, BK)
-            a_off, amask = i[:, None] * COLS + c[None, :], (i < M)[:, None] & (c < COLS)[None, :]
-            x_off, xmask = jj[None, :] * COLS + c[:, None], (jj < M)[None, :] & (c < COLS)[:, None]
-            a = tl.load(ap + a_off, mask=amask, other=0.0)
-            x = tl.load(xp + x_off, mask=xmask, other=0.0)
-            if HILO:
-                acc = tl.dot(a, x, acc)
-                acc = tl.dot(a, tl.load(xp + LO_X + x_off, mask=xmask, other=0.0), acc)
-                acc = tl.dot(tl.load(ap + LO_A + a_off, mask=amask, other=0.0), x, acc)
+        for step in range(0, STEPS):
+            t = sp * STEPS + step
+            if PER_HEAD:
+                b, p = t // col_tiles, g
             else:
-                acc += tl.dot(a, x.to(tl.float32), input_precision=DOT_PREC)
+                b, p = t // (HMIX * col_tiles), (t // col_tiles) % HMIX
+            c = (t % col_tiles) * BK + tl.arange(0, BK)
+            cm = (c < COLS) & (t < total)
+            ap = DST + (b * HMIX + p).to(tl.int64) * M * COLS
+            xp = S + (b * (HMIX // GX) + p // GX).to(tl.int64) * M * COLS
+            a = tl.load(ap + i[:, None] * COLS + c[None, :], mask=(i < M)[:, None] & cm[None, :], other=0.0)
+            x = tl.load(xp + jj[None, :] * COLS + c[:, None], mask=(jj < M)[None, :] & cm[:, None], other=0.0)
+            if a.dtype == tl.float32:
+                acc = tl.dot(a, x, acc, input_precision=DOT_PREC)
+            else:
+                acc = tl.dot(a, x, acc)
     if STRICT:
         acc = tl.where(jj[None, :] < i[:, None], acc, 0.0)
     tl.store(

@@ -14,10 +14,11 @@ The summaries at float32 precision and the mixed ones (in the input dtype for ha
 matmul operand, as in fla) are kept from forward to backward: (B·H·M·D·Dv) floats each, far below the
 activations for M ≪ N. Training keeps that precision for the mixing gradient (with half summaries the
 rounding does not average out of it over few blocks): float32, or, where the one-tile kernel makes
-the gradient or many blocks are mixed, hi + lo half parts of which the mixings read only hi (`_summaries`). Inference
-(no autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one
-tile of all M blocks (M ≤ 128). Many blocks (`Settings.matmul_mix_min_blocks`) are mixed with torch.matmul,
-forward and transposed, in training over the hi halves: there the M x M mixing is a large GEMM.
+the gradient, hi + lo half parts of which the mixings read only hi (`_Launches.form`). Inference (no
+autograd) keeps nothing, writes the summaries in the input's half precision and mixes them in one tile of
+all M blocks (M ≤ 128). Many blocks (`Settings.matmul_mix_min_blocks`) are mixed with torch.matmul, forward
+and transposed, over half summaries and dS̃ in training too: there the M x M mixing is a large GEMM, and
+the mixing gradient's half products of hundreds of blocks are as precise as the float32 path's are at few.
 
 The launch arguments (`_Launches`) of each input signature are made once and kept in a bounded cache
 (`_launches_of`), as the block layouts are (`ops.blocks`): tensors and results are never kept between calls.
@@ -307,14 +308,18 @@ class _Launches:
                             GROUP=p.heads // p.mix_heads, WEIGHTED=True, scale=p.scale)
 
     @cached_property
-    def hilo(self) -> bool:
-        """Training's summaries and dS̃ as hi + lo halves, for half inputs where no block is split over programs:
-        where the one-tile kernel makes the mixing gradient, or torch.matmul mixes many blocks
-        (`Settings.matmul_mix_min_blocks`). Only the mixing gradient reads them whole; the mixings read hi."""
+    def form(self) -> str:
+        """How training keeps its summaries and dS̃, for half inputs where no block is split over programs:
+        "half" where torch.matmul mixes many blocks (`Settings.matmul_mix_min_blocks`), which rounds them to
+        half precision anyway, and the mixing gradient's products are half-precision ones (over hundreds of
+        blocks their rounding averages out of it); "hilo" (hi + lo halves) where the one-tile kernel makes
+        the mixing gradient: its mixings read hi and the gradient reads both. Otherwise "float" (float32)."""
         p = self.p
         if not p.half_inputs or self.summaries[2]["ATOMIC"] or self._bwd_summaries_float[2]["ATOMIC"]:
-            return False
-        return self._mix_t_halves[0] is K._mix_sweep_kernel or p.m >= p.settings.matmul_mix_min_blocks
+            return "float"
+        if p.m >= p.settings.matmul_mix_min_blocks:
+            return "half"
+        return "hilo" if self._mix_t_halves[0] is K._mix_sweep_kernel else "float"
 
     @cached_property
     def _mix_t_halves(self):
@@ -351,7 +356,7 @@ class _Launches:
 
     @cached_property
     def bwd_summaries(self):
-        if not self.hilo:
+        if self.form != "hilo":
             return self._bwd_summaries_float
         grid, ints, kw = self._bwd_summaries_float
         return grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.mix_heads)}
@@ -360,11 +365,11 @@ class _Launches:
     def mix_t(self):
         """The transposed mixing's launch: the one-tile kernel over hi + lo halves, or the row-tiled one over
         float32 dS̃ (its own setting: the tiles take twice the room). None where torch.matmul mixes."""
-        if not self.hilo:
+        if self.form == "half":
+            return None
+        if self.form == "float":
             return _mix_launch(self.p, "mix_t_float")
         fn, (grid, ints, kw) = self._mix_t_halves
-        if fn is not K._mix_sweep_kernel:
-            return None
         return fn, (grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)})  # (mixing heads = key heads)
 
     @cached_property
@@ -376,21 +381,24 @@ class _Launches:
 
     @cached_property
     def dmix(self):
-        """⟨dS̃_i, S_j⟩ partials over (batch, mixing head, column split) and M x M tiles."""
+        """⟨dS̃_i, S_j⟩ partials over (group, split) and M x M tiles (`_dmix_kernel`): as many splits of each group's
+        column steps as fill the device once its live tiles are counted (a launch with a small last wave, as
+        when each head was a split, left the SMs idle for most of its second wave)."""
         p = self.p
         s = p.settings
-        tile, bk, warps, per_sm = s.dmix_tiles
-        bm = bn = min(tile, max(32, _p2(p.m)))
-        tiles = _cdiv(p.m, bm) * _cdiv(p.m, bn)
+        tile, bk, warps, stages, per_sm = s.dmix_tiles["half" if self.form == "half" else "float"]
+        bm = min(tile, max(32, _p2(p.m)))
+        tiles = _cdiv(p.m, bm)
+        live = tiles * (tiles + 1) // 2 if p.causal else tiles * tiles
+        groups = p.mix_heads if p.per_head else 1
+        steps = p.batch * (1 if p.per_head else p.mix_heads) * _cdiv(p.cols, bk)
         wanted = max(1, p.wanted * per_sm // s.programs_per_sm)
-        splits = max(1, min(_cdiv(p.cols, bk), _cdiv(wanted, p.batch * p.mix_heads * tiles)))
-        split_cols = _cdiv(_cdiv(p.cols, splits), bk) * bk
-        splits = _cdiv(p.cols, split_cols)
-        kw = dict(STRICT=p.causal, BM=bm, BN=bn, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps, **p.chain_kw())
-        if self.hilo:  # dS̃ and S as halves: their lo halves' offsets
-            kw.update(HILO=True, LO_A=self._lo(p.mix_heads), LO_X=self._lo(p.kv_heads))
-        ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.m, p.cols, splits, split_cols)
-        return (p.batch * p.mix_heads * splits, _cdiv(p.m, bm), _cdiv(p.m, bn)), ints, kw
+        per = _cdiv(steps, max(1, min(steps, wanted // (groups * live))))
+        splits = _cdiv(steps, per)
+        ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.batch, p.m, p.cols, per, splits)
+        kw = dict(PER_HEAD=p.per_head, STRICT=p.causal, BM=bm, BN=bm, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps,
+                  num_stages=stages, **p.chain_kw())
+        return (groups * splits, tiles, tiles), ints, kw
 
     @cached_property
     def sum_partials(self):
@@ -443,17 +451,19 @@ def _run(fn, launch, tensors):
 def _summaries(p: _Plan, k, v, half: bool = False, f: _Launches | None = None):
     """Block summaries (B, H_kv, M, COLS). `half` (inference): in k's dtype when that is half precision (and
     the launch is not split over programs, which adds up float32 partials), which halves the bytes written
-    here and read by the mixing GEMM. Training: float32, or where `_Launches.hilo` finds it applies, as
-    two halves (2, B, H_kv, M, COLS): the rounded sums, all the forward's mixing reads (it rounds them
-    anyway: half the bytes), and their remainders, which the mixing gradient adds back (with the rounded
-    sums alone it left the tests' bound on few blocks: the rounding does not average out of ⟨dS̃, S⟩)."""
+    here and read by the mixing GEMM. Training: in the form `_Launches.form` picks, float32, half, or two
+    halves (2, B, H_kv, M, COLS): the rounded sums, all the forward's mixing reads (it rounds them anyway: half
+    the bytes), and their remainders, which the mixing gradient adds back (with the rounded sums alone it left
+    the tests' bound on few blocks: the rounding does not average out of ⟨dS̃, S⟩)."""
     f = f or _Launches(p)
     launch = f.summaries
     split = launch[2]["ATOMIC"]
     if half and not split and k.dtype != torch.float32:
         s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype)
-    elif not half and f.hilo:
+    elif not half and f.form == "hilo":
         s, launch = _new(2, p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype), f.summaries_hilo
+    elif not half and f.form == "half":
+        s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype)
     else:
         s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=split)
     _run(K._summaries_kernel, launch, (k, v, s, k))  # (k: a placeholder for the weights W)
@@ -475,18 +485,31 @@ def _mix_matmul(p: _Plan, mixing, x, transposed: bool = False):
     tiling beats `_mix_kernel`'s, in x's half dtype: S̃ = mixing @ S (per head: broadcast over the query
     heads of each key head), or `transposed` dS = Σ mixingᵀ @ dS̃ over the mixing heads of each key head
     (their mixingsᵀ side by side along K: one GEMM). The mixing weights are rounded to x's dtype, as x is
-    (training mixes the summaries' and dS̃'s hi halves): an error of the size of x's own rounding."""
+    (in training too, where its summaries and dS̃ are half): an error of the size of x's own rounding."""
     mix = mixing.to(x.dtype)
     if p.causal:
         mix = mix.tril(-1)
     if not p.per_head:
-        return torch.matmul(mix.T if transposed else mix, x)
+        a = mix.T if transposed else mix
+        return _triangular_matmul(a, x, upper=transposed) if p.causal else torch.matmul(a, x)
     g = p.mix_heads // p.kv_heads
     mix = mix.view(p.kv_heads, g, p.m, p.m)
     if transposed:
         return torch.matmul(mix.permute(0, 3, 1, 2).reshape(p.kv_heads, p.m, g * p.m),
                             x.view(p.batch, p.kv_heads, g * p.m, p.cols))
     return torch.matmul(mix, x.unsqueeze(2)).view(p.batch, p.mix_heads, p.m, p.cols)
+
+
+def _triangular_matmul(a, x, *, upper: bool):
+    """a @ x for a strictly lower (or `upper`) triangular (M, M) a and (..., M, C) x, as two GEMMs over the halves of
+    a's rows, each over only the columns that hold their nonzeros: 3/4 of the square's products."""
+    m = a.shape[0]
+    h = m // 2
+    first, second = (slice(0, m), slice(h, m)) if upper else (slice(0, h), slice(0, m))
+    out = torch.empty_like(x)
+    torch.matmul(a[:h, first], x[..., first, :], out=out[..., :h, :])
+    torch.matmul(a[h:, second], x[..., second, :], out=out[..., h:, :])
+    return out
 
 
 def _mix_summaries(p: _Plan, mixing, s, dtype, f: _Launches):
@@ -516,11 +539,13 @@ def _bwd_queries(p: _Plan, q, k, v, o, do, st, mixing, f: _Launches):
 
 
 def _bwd_summaries(p: _Plan, q, do, w, f: _Launches):
-    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head by the summaries kernel: float32, or as
-    hi + lo halves (2, B, H_mix, M, COLS) where the training summaries are (`_summaries`)."""
+    """dS̃ = Σ φ(q)ᵀ dnum and dz̃ = Σ φ(q) dden per block and mixing head by the summaries kernel, in the
+    training summaries' form (`_Launches.form`): float32, half, or hi + lo halves (2, B, H_mix, M, COLS)."""
     launch = f.bwd_summaries
-    if f.hilo:
+    if f.form == "hilo":
         dst = _new(2, p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=q.dtype)
+    elif f.form == "half":
+        dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=q.dtype)
     else:
         dst = _new(p.batch, p.mix_heads, p.m, p.cols, device=q.device, dtype=torch.float32, zero=launch[2]["ATOMIC"])
     _run(K._summaries_kernel, launch, (q, do, dst, w))
@@ -530,9 +555,9 @@ def _bwd_summaries(p: _Plan, q, do, w, f: _Launches):
 def _mix_t(p: _Plan, mixing, dst, s, dtype, f: _Launches):
     """dS = mixingᵀ dS̃ in the mixed summaries' `dtype` (the key side reads it as a matmul operand in that
     precision anyway), and the mixing gradient's partials when the one-tile kernel makes them in the same
-    pass (else None). Many blocks: torch.matmul over dS̃'s hi half."""
+    pass (else None). Many blocks: torch.matmul over half dS̃."""
     if f.mix_t is None:
-        return _mix_matmul(p, mixing, dst[0], transposed=True), None
+        return _mix_matmul(p, mixing, dst, transposed=True), None
     fn, (grid, _, _) = f.mix_t
     one_tile = fn is K._mix_sweep_kernel
     ds = _new(p.batch, p.kv_heads, p.m, p.cols, device=dst.device, dtype=dtype)

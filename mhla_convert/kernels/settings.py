@@ -50,7 +50,8 @@ def _causal_launches() -> dict[str, dict[int, Launch]]:
     """Per launch and head dim, causal: a token tile is a whole chunk (no token tile to choose); the
     summaries-shaped launches take `_NARROW`."""
     narrow = {dim: _NARROW for dim in (128, 72, 64)}
-    return {"summaries": narrow, "readout": narrow, "bwd_summaries": narrow}
+    # dS̃ at D = 64: a 168-register cap (0.110 ms at the 32k shape, against 0.127 uncapped)
+    return {"summaries": narrow, "readout": narrow, "bwd_summaries": {**narrow, 64: Launch(4, 2, 168)}}
 
 
 def _mix_sweep() -> dict[tuple[int, str], tuple[int, int, int, int]]:
@@ -100,17 +101,19 @@ class Settings:
     mix_tiles: tuple[int, int, int, int] = (64, 128, 32, 4)
     # from this many blocks torch.matmul mixes half-precision summaries, forward and transposed: a large M x M
     # mixing is a real GEMM, where cuBLAS's tiling beats the row-tiled kernel 2.5x (one half product against its
-    # two, of the float32 mixing weights' hi + lo parts, at M = 512). Training then keeps its summaries and dS̃
-    # as hi + lo halves, as for the one-tile kernel: the mixings read only hi, and the mixing gradient takes three
-    # half products of the parts. Fewer blocks keep float32, for precision: on the tests' cases of 3-16 blocks,
-    # mixing rounded summaries raised the bf16 mixing gradient's error by up to 1.4x; at M ≤ 128 cuBLAS gains
-    # nothing
+    # two, of the float32 mixing weights' hi + lo parts, at M = 512). Training then keeps its summaries and dS̃ in
+    # half precision, and the mixing gradient takes half products of them: at 256 and 512 bf16 chunks its error
+    # stays at 1.1-1.8x the torch path's own, as the float32 path's does at few blocks (three products of hi + lo
+    # halves, 1.1-1.4x, took 0.32 ms against 0.12 at the causal 32k shape). Fewer blocks keep float32, for
+    # precision: on the tests' cases of 3-16 blocks, mixing rounded summaries raised the bf16 mixing gradient's
+    # error by up to 1.4x; at M ≤ 128 cuBLAS gains nothing
     matmul_mix_min_blocks: int = 256
-    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`): BM = BN (at most p2(M), at least 32), BK, warps,
-    # and programs per SM that the column splits aim at. 128 x 128 tiles read each column of dS̃ and S half as often
-    # as 64 x 64 ones; over hi + lo halves (three products per step) 64 columns a step take a third less time than
-    # 32; 2 programs per SM (at the causal 32k shape: no split) beat 4 by 15% and leave half the partials to sum
-    dmix_tiles: tuple[int, int, int, int] = (128, 64, 4, 2)
+    # the mixing gradient's ⟨dS̃_i, S_j⟩ partials (`_dmix_kernel`), by operand ("half" or "float"): BM = BN (at most
+    # p2(M), at least 32), BK, warps, stages, and programs per SM that the splits aim at. 128 x 128 tiles read each
+    # column of dS̃ and S half as often as 64 x 64 ones. Half operands (the causal 32k shape): 128 columns a step,
+    # 3 stages and one program of 8 warps per SM were the best of 96 settings (0.124 ms; 2 stages: 0.18-0.24)
+    dmix_tiles: dict[str, tuple[int, int, int, int, int]] = field(
+        default_factory=lambda: {"half": (128, 128, 8, 3, 1), "float": (128, 64, 4, 3, 2)})
     # the partials' fixed-order sum (`_sum_partials_kernel`): rows, columns, warps
     sum_tiles: tuple[int, int, int] = (64, 32, 4)
     # the decoding step: (query heads x D x value columns) per program, and query heads per program: small
