@@ -382,8 +382,8 @@ class _Launches:
     @cached_property
     def dmix(self):
         """⟨dS̃_i, S_j⟩ partials over (group, split) and M x M tiles (`_dmix_kernel`): as many splits of each group's
-        column steps as fill the device once its live tiles are counted (a launch with a small last wave, as
-        when each head was a split, left the SMs idle for most of its second wave)."""
+        column steps as fill the device once its live tiles are counted (one split per head, say, could leave a
+        second wave a fifth full, and the SMs idle for most of it)."""
         p = self.p
         s = p.settings
         tile, bk, warps, stages, per_sm = s.dmix_tiles["half" if self.form == "half" else "float"]
