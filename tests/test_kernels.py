@@ -459,6 +459,27 @@ def test_many_blocks_mixed_by_matmul_over_half_summaries(name, monkeypatch):
     assert not any(kw.get("HILO", False) for fn, kw in launched) and mhla_triton.K._dmix_kernel in kernels
 
 
+def test_backward_with_create_graph_is_first_order_only(monkeypatch):
+    """A backward with create_graph=True (at many blocks, here forced on few, whose mixings are torch.matmul calls
+    into preallocated outputs) gives the plain backward's gradients; a second backward through them fails loudly,
+    since the kernels' backward has no backward of its own, rather than returning wrong second-order gradients."""
+    if not (INTERPRETED or CUDA):
+        pytest.skip("needs the interpreter or a GPU")
+    _settings(monkeypatch, matmul_mix_min_blocks=1)
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float16)
+    torch.manual_seed(0)
+    tensors = _inputs(CASES["causal-ragged-gqa"], dtype, device)
+
+    def grads(**kw):  # (of a loss not linear in the output, as a gradient penalty's is)
+        out = mhla_attention(*tensors, chunk_size=16, causal=True, backend="triton")
+        return torch.autograd.grad(out.float().square().sum(), tensors, **kw)
+
+    plain, graphed = grads(), grads(create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, graphed))
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        graphed[0].float().sum().backward()
+
+
 @pytest.mark.skipif(INTERPRETED or torch.cuda.is_available(), reason="the interpreter cases run in this process")
 def test_interpreter_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -34,6 +34,7 @@ from functools import cached_property
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..ops.blocks import BlockLayout
 from ..ops.feature_maps import FEATURE_MAPS
@@ -611,6 +612,7 @@ class MHLAFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable  # the kernels' backward has no backward: a second one fails loudly, not wrongly
     def backward(ctx, do):
         q, k, v, mixing, s, st, o = ctx.saved_tensors
         f = ctx.launches
