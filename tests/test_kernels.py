@@ -390,13 +390,14 @@ def test_mixing_gradient_partials_split_over_programs(half, causal, per_head, mo
     s = torch.randn(batch, kv_heads, m, dim * dv + dim, device=device).to(dtype)
     x = s.double().repeat_interleave(mix_heads // kv_heads, 1)
     want = torch.einsum("bhic,bhjc->hij", dst.double(), x)
-    want = (want.tril(-1) if causal else want).sum(0) if not per_head else want.tril(-1) if causal else want
+    want = want.tril(-1) if causal else want
+    want = want if per_head else want.sum(0)  # (shared: summed over the heads)
     for fill in (1, 8, 22, 10**4):
         monkeypatch.setattr(mhla_triton, "_programs_wanted", lambda device, fill=fill: fill)
         f = mhla_triton._launches_for(q, k, v, mixing, layout, causal=causal, phi=resolve_feature_map("relu"),
                                       normalize=True, scale=1.0, eps=1e-6)
-        grid, (*_, per, splits), _ = f.dmix
-        steps = batch * (1 if per_head else mix_heads) * -(-(dim * dv + dim) // 64)
+        grid, (*_, per, splits), kw = f.dmix
+        steps = batch * (1 if per_head else mix_heads) * -(-(dim * dv + dim) // kw["BK"])
         assert splits == -(-steps // per) and grid[0] == splits * (heads if per_head else 1)
         ragged |= splits * per > steps
         dmii = torch.zeros(batch, heads, m, device=device)
