@@ -459,12 +459,11 @@ def _summaries(p: _Plan, k, v, half: bool = False, f: _Launches | None = None):
     f = f or _Launches(p)
     launch = f.summaries
     split = launch[2]["ATOMIC"]
-    if half and not split and k.dtype != torch.float32:
+    form = f.form if not half else "half" if not split and k.dtype != torch.float32 else "float"
+    if form == "half":
         s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype)
-    elif not half and f.form == "hilo":
+    elif form == "hilo":
         s, launch = _new(2, p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype), f.summaries_hilo
-    elif not half and f.form == "half":
-        s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=k.dtype)
     else:
         s = _new(p.batch, p.kv_heads, p.m, p.cols, device=k.device, dtype=torch.float32, zero=split)
     _run(K._summaries_kernel, launch, (k, v, s, k))  # (k: a placeholder for the weights W)
@@ -486,7 +485,9 @@ def _mix_matmul(p: _Plan, mixing, x, transposed: bool = False):
     tiling beats `_mix_kernel`'s, in x's half dtype: S̃ = mixing @ S (per head: broadcast over the query
     heads of each key head), or `transposed` dS = Σ mixingᵀ @ dS̃ over the mixing heads of each key head
     (their mixingsᵀ side by side along K: one GEMM). The mixing weights are rounded to x's dtype, as x is
-    (in training too, where its summaries and dS̃ are half): an error of the size of x's own rounding."""
+    (in training too, where its summaries and dS̃ are half): an error of the size of x's own rounding. A causal
+    shared mixing skips its triangle's empty quarter (`_triangular_matmul`); per-head ones stay whole GEMMs, since
+    side by side along K a row half's nonzero columns are no single slice."""
     mix = mixing.to(x.dtype)
     if p.causal:
         mix = mix.tril(-1)
