@@ -571,6 +571,28 @@ def test_cuda_unaligned_inputs(name, monkeypatch):
     _compare(case, torch.bfloat16, "cuda", TOL[torch.bfloat16])
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("name", ["dit-d72", "llm-d64-causal-gqa"])
+def test_cuda_relaunches_equal_the_first_launches(name, monkeypatch):
+    """A signature's second training step runs the compiled kernels its first step kept (`kernels.launch`), with
+    no launch through `kernel[grid]`, and gives exactly the first step's outputs and gradients."""
+    case = FAMILY_CASES[name]
+    mhla_triton._launches_of.cache_clear()
+    plain, real_getitem = [], triton.runtime.JITFunction.__getitem__
+    monkeypatch.setattr(triton.runtime.JITFunction, "__getitem__",
+                        lambda fn, grid: plain.append(fn) or real_getitem(fn, grid))
+    torch.manual_seed(0)
+    tensors = _inputs(case, torch.bfloat16, "cuda")
+    grad_out = torch.randn(*tensors[0].shape[:3], tensors[2].shape[-1], device="cuda", dtype=torch.bfloat16)
+    first = _run(case, tensors, "triton", grad_out)
+    launches = len(plain)
+    second = _run(case, tensors, "triton", grad_out)
+    assert launches >= 6 and len(plain) == launches, "a repeated step searched for its kernels again"
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dmixing"), first, second):
+        assert torch.equal(a, b), f"{name} differs from the first step's"
+
+
 def _record_launches(monkeypatch) -> list:
     """(kernel, keyword arguments) of every launch of the attention operator from here on."""
     launched, real_run = [], mhla_triton._run

@@ -1,6 +1,7 @@
 """The Triton backend of `mhla_attention`: plans and launches the kernels of `mhla_kernels` (with the launch
 settings of `settings`) and wraps them in an autograd Function whose backward also yields the gradient of the
-(learnable) mixing. Every kernel is launched by Triton itself, `kernel[grid](*args, **meta)`.
+(learnable) mixing. Each launch is a `launch.Launch`: Triton's `kernel[grid](*args, **meta)` the first time, then
+the compiled kernel that launch found, while the tensors specialise alike.
 
 Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, and per
 token 1/(den + eps) and −do·o) → dS̃ and dz̃ by the summaries kernel over φ(q) and do, weighted by those →
@@ -21,7 +22,8 @@ and transposed, over half summaries and dS̃ in training too: there the M x M mi
 the mixing gradient's half products of hundreds of blocks are as precise as the float32 path's are at few.
 
 The launch arguments (`_Launches`) of each input signature are made once and kept in a bounded cache
-(`_launches_of`), as the block layouts are (`ops.blocks`): tensors and results are never kept between calls.
+(`_launches_of`), as the block layouts are (`ops.blocks`), with the compiled kernels their launches found: tensors
+and results are never kept between calls.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..ops.blocks import BlockLayout
 from ..ops.feature_maps import FEATURE_MAPS
 from . import mhla_kernels as K
 from . import settings
+from .launch import Launch, launch_with
 
 KERNEL_FEATURE_MAPS = {"relu": 0, "elu": 1}  # the feature maps the kernels apply, by name: their PHI ids
 _PHI_IDS = {id(FEATURE_MAPS[name]): phi for name, phi in KERNEL_FEATURE_MAPS.items()}
@@ -124,16 +127,24 @@ def head_dim_parts(x: int) -> tuple[int, int]:
     return (lo, hi) if lo + hi < whole else (whole, 0)
 
 
+@functools.cache
+def _gpu(device) -> tuple[int, int]:
+    """(SMs, compute capability's major) of a CUDA device: facts that never change, read once (torch's query takes
+    a few µs of host time, and every eager call of the operator asks)."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.major
+
+
 def _programs_wanted(device) -> int:
     """Enough programs to fill the GPU a few times over (a split threshold, nothing more)."""
     if device.type != "cuda":
         return 1
-    return settings.SETTINGS.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return settings.SETTINGS.programs_per_sm * _gpu(device)[0]
 
 
 def _chained(device) -> bool:
     """Whether the launches are chained by programmatic dependent launch: on GPUs that have it (sm_90+)."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not interpreting() and _gpu(device)[1] >= 9
 
 
 def _split(tiles: int, programs: int, wanted: int) -> tuple[int, int]:
@@ -286,7 +297,7 @@ class _Launches:
         kw = {**self._kw(name), **extra}
         splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, p.wanted)
         kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **p.chain_kw(), **({"ATOMIC": splits > 1} if atomic else {}))
-        return (p.batch * heads, p.m, splits), ints, kw
+        return Launch((p.batch * heads, p.m, splits), ints, kw)
 
     def _strides(self):
         p = self.p
@@ -333,8 +344,7 @@ class _Launches:
 
     @cached_property
     def summaries_hilo(self):
-        grid, ints, kw = self.summaries
-        return grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)}
+        return launch_with(self.summaries, HILO=True, LO=self._lo(self.p.kv_heads))
 
     @cached_property
     def readout(self):
@@ -359,8 +369,7 @@ class _Launches:
     def bwd_summaries(self):
         if self.form != "hilo":
             return self._bwd_summaries_float
-        grid, ints, kw = self._bwd_summaries_float
-        return grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.mix_heads)}
+        return launch_with(self._bwd_summaries_float, HILO=True, LO=self._lo(self.p.mix_heads))
 
     @cached_property
     def mix_t(self):
@@ -370,8 +379,8 @@ class _Launches:
             return None
         if self.form == "float":
             return _mix_launch(self.p, "mix_t_float")
-        fn, (grid, ints, kw) = self._mix_t_halves
-        return fn, (grid, ints, {**kw, "HILO": True, "LO": self._lo(self.p.kv_heads)})  # (mixing heads = key heads)
+        fn, launch = self._mix_t_halves
+        return fn, launch_with(launch, HILO=True, LO=self._lo(self.p.kv_heads))  # (mixing heads = key heads)
 
     @cached_property
     def bwd_keys(self):
@@ -399,7 +408,7 @@ class _Launches:
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.batch, p.m, p.cols, per, splits)
         kw = dict(PER_HEAD=p.per_head, STRICT=p.causal, BM=bm, BN=bm, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps,
                   num_stages=stages, **p.chain_kw())
-        return (groups * splits, tiles, tiles), ints, kw
+        return Launch((groups * splits, tiles, tiles), ints, kw)
 
     @cached_property
     def sum_partials(self):
@@ -412,7 +421,7 @@ class _Launches:
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = p.settings.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
-        return (rows, _cdiv(p.m * p.m, bc)), (), kw
+        return Launch((rows, _cdiv(p.m * p.m, bc)), (), kw)
 
 
 def _mix_launch(p: _Plan, kind: str):
@@ -437,16 +446,15 @@ def _mix_launch(p: _Plan, kind: str):
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, p.wanted * per_sm // s.programs_per_sm))
         kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind.startswith("mix_t"),
                   num_warps=warps, num_stages=stages, **p.chain_kw())
-        return K._mix_sweep_kernel, ((p.batch * h_out, splits), ints, kw)
+        return K._mix_sweep_kernel, Launch((p.batch * h_out, splits), ints, kw)
     bm, bn, bk, warps = s.mix_tiles
     kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
-    return K._mix_kernel, ((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
+    return K._mix_kernel, Launch((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
 
 
-def _run(fn, launch, tensors):
-    """One launch: its tensors, then its integer arguments."""
-    grid, ints, kw = launch
-    fn[grid](*tensors, *ints, **kw)
+def _run(fn, launch: Launch, tensors):
+    """One launch: its tensors, then its integer arguments (`launch.Launch`)."""
+    launch.run(fn, tensors)
 
 
 def _summaries(p: _Plan, k, v, half: bool = False, f: _Launches | None = None):
@@ -623,9 +631,10 @@ class MHLAFunction(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=256)
 def _launches_of(sig: _Signature) -> _Launches:
-    """One `_Launches` per signature, shared by every call with it (and by threads: it holds only integers and
-    settings, and its properties, computed once, are the same whoever computes them). An eager call at a small
-    shape would otherwise spend as long planning its launches as Triton spends launching them."""
+    """One `_Launches` per signature, shared by every call with it (and by threads: it holds integers, settings and
+    compiled kernels, and its properties, computed once, are the same whoever computes them; a `Launch` replaces
+    the kernel it keeps in one assignment). An eager call at a small shape would otherwise spend as long planning its
+    launches as Triton spends launching them."""
     return _Launches(_plan(sig))
 
 
