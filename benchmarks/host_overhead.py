@@ -2,14 +2,17 @@
 captured in a CUDA graph by torch.compile(mode="reduce-overhead"), and of one forward + backward step at the
 small shapes and Wan's.
 
-    python benchmarks/host_overhead.py [--profile]
+    python benchmarks/host_overhead.py [--parts] [--profile]
 
 Forward: wall time per call of 500 forwards enqueued without synchronising; GPU: do_bench median (CUDA
 events). Equal numbers mean the GPU waits on Python; a CUDA graph replays all the forward's launches at the
 cost of one. Forward + backward: host time per step of 60 steps
 enqueued while a GPU sleep holds the device (so no launch waits on the GPU), against the do_bench median of
 the step. A step whose host time nears its GPU time is paced by the host whenever the host slows down.
---profile adds a cProfile of the DiT 1,024 forward and forward + backward: where the host time goes.
+--parts adds the host time of the DiT 1,024 forward through each public layer: `mhla_attention`, the Triton
+backend called directly (`kernels.mhla_attention_triton`: no argument checks or backend choice) and the custom op
+that torch.compile calls (`torch.ops.mhla_convert.attention`). --profile adds a cProfile of the DiT 1,024 forward
+and forward + backward: where the host time goes.
 """
 
 import sys
@@ -89,6 +92,28 @@ def step_rows():
         print(line, flush=True)
 
 
+def parts():
+    """Host µs per DiT 1,024 forward (no grad) through each public layer of the operator."""
+    from mhla_convert.kernels import mhla_attention_triton
+    from mhla_convert.ops import BlockLayout
+    from mhla_convert.ops.feature_maps import resolve_feature_map
+
+    q, k, v = (torch.randn(1, 1024, 16, 72, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mixing = locality_mixing((4, 4)).cuda()
+    layout, scale = BlockLayout.create((32, 32), (4, 4)), 72 ** -0.5
+    calls = {
+        "mhla_attention": lambda: mhla_attention(q, k, v, mixing, grid=(32, 32), blocks=(4, 4), backend="triton"),
+        "mhla_attention_triton": lambda: mhla_attention_triton(
+            q, k, v, mixing, layout, causal=False, phi=resolve_feature_map("relu"), normalize=True, scale=scale,
+            eps=1e-6),
+        "torch.ops.mhla_convert.attention": lambda: torch.ops.mhla_convert.attention(
+            q, k, v, mixing, layout.grid, layout.blocks, layout.block_size, False, "relu", True, scale, 1e-6, "triton"),
+    }
+    with torch.no_grad():
+        print("dit-1024 forward, host µs per call: " + ", ".join(
+            f"{name} {host_ms(fn, 1000) * 1e3:.1f}" for name, fn in calls.items()), flush=True)
+
+
 def profile():
     """cProfile of the DiT 1,024 forward (no grad) and forward + backward: the host's costliest calls."""
     import cProfile
@@ -116,6 +141,8 @@ def profile():
 def main():
     forward_rows()
     step_rows()
+    if "--parts" in sys.argv:
+        parts()
     if "--profile" in sys.argv:
         profile()
 

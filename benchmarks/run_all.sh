@@ -42,6 +42,9 @@ for model in sana wan; do
     "$py" benchmarks/wan_forward.py --model "$model" --compile >> "$out/whole_models_compiled.txt" 2>&1 \
         || { echo "   failed"; failed=1; }
 done
+echo "== $py benchmarks/wan_forward.py --model sana --compile --mode reduce-overhead >> whole_models_compiled.txt"
+"$py" benchmarks/wan_forward.py --model sana --compile --mode reduce-overhead >> "$out/whole_models_compiled.txt" 2>&1 \
+    || { echo "   failed"; failed=1; }
 for model in llama qwen3; do  # both into lm_generate.json and .md
     step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
 done

@@ -5,6 +5,7 @@ with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that ke
 0, 3, …, 27).
 
     python benchmarks/wan_forward.py [--model wan|sana|wan-layer] [--backend auto|torch|triton] [--compile]
+        [--mode default|reduce-overhead]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
@@ -12,8 +13,9 @@ bf16, batch 1, no grad; median of CUDA-event timings of whole forwards after war
 
 --compile also times every model under `torch.compile(model, fullgraph=True, dynamic=False)`: inductor's
 default mode, what diffusers' and PyTorch's guides tell a diffusers user to write
-(`pipe.transformer.compile(fullgraph=True)`). CUDA graphs ("reduce-overhead") gain little on forwards of
-tens of milliseconds and more, and "max-autotune" spends minutes autotuning GEMMs cuBLAS already runs
+(`pipe.transformer.compile(fullgraph=True)`). `--mode reduce-overhead` replays each compiled forward as CUDA
+graphs: it matters where a forward is bound by the host's launches (SANA at 1024 px), and gains little on
+forwards of tens of milliseconds and more. "max-autotune" spends minutes autotuning GEMMs cuBLAS already runs
 well. Each shape compiles once, statically, in the warm-up (never timed); the table then shows every
 variant eager and compiled, its speed-up over the original in the same mode, and compiled over eager.
 
@@ -53,6 +55,7 @@ TINY_SANA = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention
 class Setup:
     backend: str = "auto"
     compile: bool = False
+    mode: str = "default"
     tiny: bool = False
 
     @property
@@ -91,7 +94,8 @@ def _time(fn, setup: Setup, warmup=2, reps=7) -> float:
 def _compiled(model, setup: Setup):
     """`model` under torch.compile as a diffusers user compiles a transformer (see the module docstring); a
     wrapper, so the eager model stays as it is."""
-    return torch.compile(model, fullgraph=True, dynamic=False, **({"backend": "aot_eager"} if setup.tiny else {}))
+    how = {"backend": "aot_eager"} if setup.tiny else {"mode": setup.mode}
+    return torch.compile(model, fullgraph=True, dynamic=False, **how)
 
 
 def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[str, float, float | str | None]]:
@@ -226,7 +230,8 @@ def report(title: str, groups: list, setup: Setup) -> str:
     dtype = "fp32" if setup.tiny else "bf16"
     lines = [f"\n{date.today()} {device} {dtype} batch 1 — {title}"]
     if setup.compile:
-        lines[0] += " — eager and torch.compile(fullgraph=True)"
+        mode = "" if setup.mode == "default" else f", mode={setup.mode!r}"
+        lines[0] += f" — eager and torch.compile(fullgraph=True{mode})"
         lines += ["| variant | eager | speed-up | compiled | speed-up | compiled vs eager |", "|---" * 6 + "|"]
     for group in groups:
         _, base, base_compiled = group[0]
@@ -246,13 +251,17 @@ def main(argv=None) -> str:
     ap.add_argument("--model", default="wan", choices=("wan", "sana", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
+    ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
+                    help="torch.compile's mode (with --compile)")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana)")
     args = ap.parse_args(argv)
+    if args.mode != "default" and (not args.compile or args.tiny):
+        ap.error("--mode needs --compile, on the GPU (--tiny compiles with the aot_eager backend)")
     if args.model == "wan-layer" and (args.compile or args.tiny):
         ap.error("--model wan-layer times one module's pieces on the GPU, without --compile or --tiny")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
-    setup = Setup(args.backend, args.compile, args.tiny)
+    setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny)
     threads = torch.get_num_threads()
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU

@@ -118,6 +118,13 @@ def test_benchmarks_need_a_gpu_without_tiny(load, script, tmp_path, capsys):
     assert exit_.value.code == 2 and "--tiny" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["--mode", "reduce-overhead"], ["--tiny", "--compile", "--mode", "reduce-overhead"]])
+def test_wan_forward_mode_needs_compile_on_the_gpu(load, args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load("wan_forward").main(args)
+    assert exit_.value.code == 2 and "--mode needs --compile" in capsys.readouterr().err
+
+
 def _table(text: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith("| variant")]
