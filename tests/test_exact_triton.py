@@ -127,17 +127,22 @@ def test_key_mask_and_strided_inputs():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _trained_by_backend(case):
+    """For the Triton backend, then the torch one: fresh leaf copies of the case's inputs, and the output of
+    mhla_attention on them (with gradients)."""
+    (q, k, v, mixing), _ = _inputs(case)
+    kw = dict(causal=True, chunk_size=case[6], exact_chunks=case[7], feature_map=case[9])
+    for backend in ("triton", "torch"):
+        tensors = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
+        yield tensors, mhla_attention(*tensors, backend=backend, **kw)
+
+
 @run
 @pytest.mark.parametrize("name", ["gqa-partial-chunk-dv", "window-3-gqa-per-head"])
 def test_gradients_match_torch_path(name):
     """Training through mhla_attention(backend="triton"): the forward's kernels, the backward's recompute."""
-    case = CASES[name]
-    (q, k, v, mixing), layout = _inputs(case)
-    kw = dict(causal=True, chunk_size=case[6], exact_chunks=case[7], feature_map=case[9])
     grads = []
-    for backend in ("triton", "torch"):
-        tensors = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
-        out = mhla_attention(*tensors, backend=backend, **kw)
+    for tensors, out in _trained_by_backend(CASES[name]):
         out.backward(torch.linspace(-1, 1, out.numel(), device=DEVICE).view_as(out))
         grads.append([out.detach()] + [t.grad for t in tensors])
     for got, want in zip(*grads):
@@ -148,13 +153,8 @@ def test_gradients_match_torch_path(name):
 def test_second_order_gradients_match_torch_path():
     """The backward recomputes through the torch path, which autograd differentiates again: a create_graph=True
     backward and a second one through it give the torch backend's second-order gradients (fp32)."""
-    case = CASES["gqa-partial-chunk-dv"]
-    (q, k, v, mixing), layout = _inputs(case)
-    kw = dict(causal=True, chunk_size=case[6], exact_chunks=case[7], feature_map=case[9])
     found = []
-    for backend in ("triton", "torch"):
-        tensors = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
-        out = mhla_attention(*tensors, backend=backend, **kw)
+    for tensors, out in _trained_by_backend(CASES["gqa-partial-chunk-dv"]):
         first = torch.autograd.grad(out.square().sum(), tensors, create_graph=True)
         found.append(torch.autograd.grad(sum(g.square().sum() for g in first), tensors))
     for name, got, want in zip(("q", "k", "v", "mixing"), *found):
