@@ -1,4 +1,4 @@
-"""`kernels.launch.Launch`: which calls reuse the kept compiled kernel, and with which arguments, against a
+"""`kernels.launch.KernelLaunch`: which calls reuse the kept compiled kernel, and with which arguments, against a
 stand-in kernel that records what it is called with (the real kernels' relaunches are checked on the GPU in
 test_kernels.py)."""
 
@@ -53,7 +53,7 @@ def relaunch(monkeypatch):
 
 def test_later_calls_run_the_kept_kernel_with_every_parameter_in_order(relaunch):
     calls = []
-    kernel, launch = _Kernel(calls), L.Launch((4, 2), (5,), dict(A=1, C=9, num_warps=4))
+    kernel, launch = _Kernel(calls), L.KernelLaunch((4, 2), (5,), dict(A=1, C=9, num_warps=4))
     x, y = _tensors()
     launch.run(kernel, (x, y))
     launch.run(kernel, (x, y))
@@ -68,7 +68,7 @@ def test_a_call_that_specialises_otherwise_launches_the_ordinary_way(change, rel
     """Triton compiles a pointer 16-byte aligned or not, and per dtype: such a call must find its own kernel,
     as must another kernel given the same launch; the kernel it finds is kept in turn."""
     calls = []
-    kernel, launch = _Kernel(calls), L.Launch((3,), (1,), dict(A=2, B=1))
+    kernel, launch = _Kernel(calls), L.KernelLaunch((3,), (1,), dict(A=2, B=1))
     launch.run(kernel, _tensors())
     other = (_Kernel(calls), _tensors()) if change == "kernel" else (
         kernel, _tensors(offset=1) if change == "alignment" else _tensors(dtype=torch.float16))
@@ -82,7 +82,7 @@ def test_a_call_that_specialises_otherwise_launches_the_ordinary_way(change, rel
 def test_untested_triton_and_the_interpreter_always_launch_the_ordinary_way(why, monkeypatch):
     monkeypatch.setattr(L, "RELAUNCH", why == "interpreter")
     calls = []
-    kernel, launch = _Kernel(calls, compiles=why != "interpreter"), L.Launch((1,), (2,), dict(A=0))
+    kernel, launch = _Kernel(calls, compiles=why != "interpreter"), L.KernelLaunch((1,), (2,), dict(A=0))
     for _ in range(3):
         launch.run(kernel, _tensors())
     assert [call[0] for call in calls] == ["plain"] * 3
@@ -90,7 +90,7 @@ def test_untested_triton_and_the_interpreter_always_launch_the_ordinary_way(why,
 
 def test_a_changed_launch_keeps_a_kernel_of_its_own(relaunch):
     calls = []
-    kernel, base = _Kernel(calls), L.Launch((2,), (3,), dict(A=0))
+    kernel, base = _Kernel(calls), L.KernelLaunch((2,), (3,), dict(A=0))
     hilo = L.launch_with(base, A=1, B=2)
     assert hilo.meta == dict(A=1, B=2) and base.meta == dict(A=0)
     for launch in (base, hilo, base, hilo):

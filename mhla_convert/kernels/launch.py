@@ -5,7 +5,7 @@ Each `kernel[grid](...)` binds and specialises every argument in Python to find 
 H100 host's time for the attention's summaries launch (30 arguments), 3 to 9 times per operator call. At small
 shapes that host time, not the GPU's, paces an eager call and a compiled model alike (torch.compile calls the operator
 as the custom op it is). The launches of one input signature (`mhla_triton._Launches`) fix everything but their
-tensors, so a `Launch` launches the ordinary way once and keeps the `CompiledKernel` Triton returns. A later call
+tensors, so a `KernelLaunch` launches the ordinary way once and keeps the `CompiledKernel` Triton returns. A later call
 whose tensors specialise as that launch's did (each one's dtype, and whether its address is a multiple of 16 bytes:
 what Triton specialises a pointer on) runs that kernel through `CompiledKernel[grid]`, Triton's runner for a compiled
 kernel, with every kernel parameter in the kernel's own order, as Triton's launch passes them; it takes half the host
@@ -31,7 +31,7 @@ def specialisation(tensors) -> tuple:
     return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
 
-class Launch(namedtuple("Launch", "grid ints meta")):
+class KernelLaunch(namedtuple("KernelLaunch", "grid ints meta")):
     """`kernel[grid](*tensors, *ints, **meta)` for any kernel and tensors (call `run`); the compiled kernel it last
     found is kept (`_kept`), so later calls that specialise alike skip Triton's search for it."""
 
@@ -57,7 +57,7 @@ class Launch(namedtuple("Launch", "grid ints meta")):
         return tuple(self.meta[name] if name in self.meta else defaults[name].default for name in names)
 
 
-def launch_with(launch, **meta) -> Launch:
+def launch_with(launch, **meta) -> KernelLaunch:
     """`launch` with some meta arguments changed: a launch of its own (it compiles a kernel of its own)."""
     grid, ints, kw = launch
-    return Launch(grid, ints, {**kw, **meta})
+    return KernelLaunch(grid, ints, {**kw, **meta})

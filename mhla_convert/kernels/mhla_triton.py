@@ -1,6 +1,6 @@
 """The Triton backend of `mhla_attention`: plans and launches the kernels of `mhla_kernels` (with the launch
 settings of `settings`) and wraps them in an autograd Function whose backward also yields the gradient of the
-(learnable) mixing. Each launch is a `launch.Launch`: Triton's `kernel[grid](*args, **meta)` the first time, then
+(learnable) mixing. Each launch is a `launch.KernelLaunch`: Triton's `kernel[grid](*args, **meta)` the first time, then
 the compiled kernel that launch found, while the tensors specialise alike.
 
 Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, and per
@@ -42,7 +42,7 @@ from ..ops.blocks import BlockLayout
 from ..ops.feature_maps import FEATURE_MAPS
 from . import mhla_kernels as K
 from . import settings
-from .launch import Launch, launch_with
+from .launch import KernelLaunch, launch_with
 
 KERNEL_FEATURE_MAPS = {"relu": 0, "elu": 1}  # the feature maps the kernels apply, by name: their PHI ids
 _PHI_IDS = {id(FEATURE_MAPS[name]): phi for name, phi in KERNEL_FEATURE_MAPS.items()}
@@ -297,7 +297,7 @@ class _Launches:
         kw = {**self._kw(name), **extra}
         splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, p.wanted)
         kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **p.chain_kw(), **({"ATOMIC": splits > 1} if atomic else {}))
-        return Launch((p.batch * heads, p.m, splits), ints, kw)
+        return KernelLaunch((p.batch * heads, p.m, splits), ints, kw)
 
     def _strides(self):
         p = self.p
@@ -408,7 +408,7 @@ class _Launches:
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.batch, p.m, p.cols, per, splits)
         kw = dict(PER_HEAD=p.per_head, STRICT=p.causal, BM=bm, BN=bm, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps,
                   num_stages=stages, **p.chain_kw())
-        return Launch((groups * splits, tiles, tiles), ints, kw)
+        return KernelLaunch((groups * splits, tiles, tiles), ints, kw)
 
     @cached_property
     def sum_partials(self):
@@ -421,7 +421,7 @@ class _Launches:
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = p.settings.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
-        return Launch((rows, _cdiv(p.m * p.m, bc)), (), kw)
+        return KernelLaunch((rows, _cdiv(p.m * p.m, bc)), (), kw)
 
 
 def _mix_launch(p: _Plan, kind: str):
@@ -446,14 +446,14 @@ def _mix_launch(p: _Plan, kind: str):
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, p.wanted * per_sm // s.programs_per_sm))
         kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind.startswith("mix_t"),
                   num_warps=warps, num_stages=stages, **p.chain_kw())
-        return K._mix_sweep_kernel, Launch((p.batch * h_out, splits), ints, kw)
+        return K._mix_sweep_kernel, KernelLaunch((p.batch * h_out, splits), ints, kw)
     bm, bn, bk, warps = s.mix_tiles
     kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
-    return K._mix_kernel, Launch((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
+    return K._mix_kernel, KernelLaunch((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
 
 
-def _run(fn, launch: Launch, tensors):
-    """One launch: its tensors, then its integer arguments (`launch.Launch`)."""
+def _run(fn, launch: KernelLaunch, tensors):
+    """One launch: its tensors, then its integer arguments (`launch.KernelLaunch`)."""
     launch.run(fn, tensors)
 
 
@@ -632,7 +632,7 @@ class MHLAFunction(torch.autograd.Function):
 @functools.lru_cache(maxsize=256)
 def _launches_of(sig: _Signature) -> _Launches:
     """One `_Launches` per signature, shared by every call with it (and by threads: it holds integers, settings and
-    compiled kernels, and its properties, computed once, are the same whoever computes them; a `Launch` replaces
+    compiled kernels, and its properties, computed once, are the same whoever computes them; a `KernelLaunch` replaces
     the kernel it keeps in one assignment). An eager call at a small shape would otherwise spend as long planning its
     launches as Triton spends launching them."""
     return _Launches(_plan(sig))
