@@ -379,6 +379,96 @@ def test_cuda_attention_op_opcheck_triton(name, dtype):
     torch.library.opcheck(attention_op, (*tensors, *options))
 
 
+@pytest.mark.parametrize("why", ["causal", "register cap", None])
+def test_traced_inference_declines_what_inductor_cannot_launch(why, monkeypatch):
+    """The Triton backend's traced form (the triton op inductor launches itself) declines causal attention and head
+    dims whose launches take a register cap (inductor passes none), so the graph calls the opaque op there."""
+    mhla_triton = pytest.importorskip("mhla_convert.kernels.mhla_triton")
+    monkeypatch.setattr(mhla_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(mhla_triton, "attention_inference_op", lambda *args: "the triton op")
+    dim = 128 if why == "register cap" else 16
+    q = torch.empty(1, 16, 2, dim, device="meta")
+    layout = BlockLayout.chunked(16, 4) if why == "causal" else BlockLayout.create((4, 4), (2, 2))
+    assert mhla_triton.settings.SETTINGS.launches["summaries"][128].maxnreg  # (the case this test stands for)
+    got = mhla_triton.mhla_attention_triton_traced(q, q, q, torch.empty(4, 4, device="meta"), layout,
+                                                   causal=why == "causal", feature_map="relu", normalize=True,
+                                                   scale=1.0, eps=1e-6)
+    assert got == (None if why else "the triton op")
+
+
+@interp
+def test_compiled_triton_inference_under_the_interpreter_is_the_opaque_op():
+    """The interpreter's kernels cannot be traced into a triton op, so a compiled inference call through the Triton
+    backend stays the opaque op there, and equals the eager call."""
+    torch.manual_seed(0)
+    tensors, (grid, blocks, *_) = _attention_args(ATTENTION_CASES["2d-uneven"])
+    q, k, v, mixing = (t.detach() for t in tensors)
+
+    def fn(q, k, v, mixing):
+        return mhla_attention(q, k, v, mixing, grid=tuple(grid), blocks=tuple(blocks), backend="triton")
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(fn)(q, k, v, mixing)
+        assert explained.graph_break_count == 0 and sum(_op_count(g) for g in explained.graphs) == 1
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, mixing), fn(q, k, v, mixing))
+
+
+@interp
+def test_backend_choice_traces_without_a_graph_break():
+    """Inference under torch.compile chooses its backend while tracing (`ops.mhla._traced_inference`): the Triton
+    backend's checks must trace whole (no `id()`, which dynamo does not trace)."""
+    from mhla_convert.kernels.mhla_triton import unsupported_reason
+    from mhla_convert.ops.feature_maps import resolve_feature_map
+
+    q, mixing, layout = torch.randn(1, 16, 2, 16), torch.rand(4, 4), BlockLayout.create((4, 4), (2, 2))
+    phi = resolve_feature_map("elu")
+    check = torch.compile(lambda q: unsupported_reason(q, q, q, mixing, layout, causal=False, phi=phi) is None,
+                          fullgraph=True, backend="eager")
+    assert check(q)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-dit", "tiny-sana", "tiny-wan"])
+def test_cuda_inductor_launches_the_inference_kernels_itself(name, tiny):
+    """Compiled for inference in inductor's default mode, a converted diffusion model's MHLA layers are the triton
+    op `attention_inference`: the generated code launches the kernels itself, never calls the opaque op, and gives
+    eager's outputs."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, inputs = _converted(tiny, name, device="cuda")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        want = _main(model(**inputs))
+        got, code = run_and_get_code(lambda: _main(compiled(**inputs)))
+    source = "\n".join(code)
+    assert "_readout_kernel" in source and "mhla_convert.attention." not in source
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["2d-uneven", "3d-gqa-per-head-elu-unnorm", "1d-one-kv-head"])
+def test_cuda_attention_inference_op_opcheck(name, dtype):
+    from mhla_convert.kernels.mhla_triton import attention_inference_op
+
+    torch.manual_seed(0)
+    tensors, (grid, blocks, block_size, _, fmap, normalize, scale, eps, _) = _attention_args(
+        ATTENTION_CASES[name], dtype=dtype, device="cuda")
+    tensors = [t.detach() for t in tensors]
+    # (not test_aot_dispatch_dynamic: the op plans its launches for fixed shapes, and traced calls with symbolic ones
+    # take the opaque op instead)
+    torch.library.opcheck(attention_inference_op, (*tensors, grid, blocks, block_size, fmap, normalize, scale, eps),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_static"))
+    want = mhla_attention(*tensors, grid=tuple(grid), blocks=tuple(blocks), feature_map=fmap, normalize=normalize,
+                          backend="triton")
+    got = attention_inference_op(*tensors, grid, blocks, block_size, fmap, normalize, scale, eps)
+    assert torch.equal(got, want)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", STEP_CASES)

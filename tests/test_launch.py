@@ -30,8 +30,8 @@ class _Kernel:
         def kernel(x, y, n, A, B=7, C=3):
             pass
 
-        self.signature = inspect.signature(kernel)
-        self.arg_names = list(self.signature.parameters)
+        self.fn = kernel
+        self.arg_names = list(inspect.signature(kernel).parameters)
         self.calls, self.compiles = calls, compiles
 
     def __getitem__(self, grid):
@@ -97,3 +97,13 @@ def test_a_changed_launch_keeps_a_kernel_of_its_own(relaunch):
         launch.run(kernel, _tensors())
     assert [call[0] for call in calls] == ["plain", "plain", "kept", "kept"]
     assert calls[2][2][3:] == (0, 7, 3) and calls[3][2][3:] == (1, 2, 3)
+
+
+def test_a_traced_launch_gives_every_parameter_by_name(monkeypatch):
+    """Inside a triton op, `wrap_triton` launches: inductor takes no defaults, so every parameter after the
+    tensors and integers is given, launch options beside them."""
+    calls = []
+    monkeypatch.setattr(L, "wrap_triton", lambda kernel: kernel)
+    x, y = _tensors()
+    L.TracedLaunch((2,), (5,), dict(A=1, C=9, num_warps=4)).run(_Kernel(calls), (x, y))
+    assert calls == [("plain", (2,), (x, y, 5), dict(A=1, B=7, C=9, num_warps=4))]

@@ -6,7 +6,13 @@ import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from ..ops.dispatch import register
 from .decode_triton import decode_step_triton, decode_supports, older_sums_supports, older_sums_triton
-from .mhla_triton import mhla_attention_triton, mhla_attention_triton_backward, supports, unsupported_reason
+from .mhla_triton import (
+    mhla_attention_triton,
+    mhla_attention_triton_backward,
+    mhla_attention_triton_traced,
+    supports,
+    unsupported_reason,
+)
 from .recurrent_triton import mhla_recurrent_step_triton, step_supports, step_unsupported_reason
 from .rotary_triton import (
     norm_rotate_half_supports,
@@ -16,7 +22,8 @@ from .rotary_triton import (
     norm_rotate_unsupported_reason,
 )
 
-register("attention", "triton", mhla_attention_triton, supports, mhla_attention_triton_backward)
+register("attention", "triton", mhla_attention_triton, supports, mhla_attention_triton_backward,
+         mhla_attention_triton_traced)
 register("step", "triton", mhla_recurrent_step_triton, step_supports)
 register("rotary", "triton", norm_rotate_triton, norm_rotate_supports)
 register("rotary_half", "triton", norm_rotate_half_triton, norm_rotate_half_supports)

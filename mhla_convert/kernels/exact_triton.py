@@ -34,12 +34,12 @@ from ..ops.library import grads_by_recompute
 from . import settings
 from .mhla_kernels import _phi
 from .mhla_triton import (
-    _PHI_IDS,
     _new,
     _p2,
     device_reason,
     head_dims_reason,
     interpreting,
+    phi_id,
     qkv_reason,
 )
 
@@ -176,7 +176,7 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale
     km = _rows(key_mask).view(torch.uint8) if masked else q  # (a pointer the kernels never read when unmasked)
     half = q.dtype != torch.float32
     warps, stages = settings.SETTINGS.exact_launches[_p2(max(dim, dv))]
-    consts = dict(D=dim, DV=dv, BC=_p2(c), BD=_p2(dim), BDV=_p2(dv), PHI=_PHI_IDS[id(phi)], MASKED=masked,
+    consts = dict(D=dim, DV=dv, BC=_p2(c), BD=_p2(dim), BDV=_p2(dv), PHI=phi_id(phi), MASKED=masked,
                   DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(), num_warps=warps,
                   num_stages=stages)
     o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device)

@@ -12,14 +12,17 @@ kernel, with every kernel parameter in the kernel's own order, as Triton's launc
 time. Any other call launches the ordinary way and keeps the kernel it finds.
 
 Only the Triton release this was tested with (`TESTED_TRITON`) relaunches so; other releases, and the interpreter,
-always launch the ordinary way.
+always launch the ordinary way. A `TracedLaunch` is the launch of a plan that torch.compile traces: through
+`torch.library.wrap_triton`, which inductor turns into a launch of its own.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import namedtuple
 
 import triton
+from torch.library import wrap_triton
 from triton.compiler import CompiledKernel
 
 TESTED_TRITON = (3, 6)
@@ -44,20 +47,32 @@ class KernelLaunch(namedtuple("KernelLaunch", "grid ints meta")):
             return
         compiled = kernel[self.grid](*tensors, *self.ints, **self.meta)
         if RELAUNCH and isinstance(compiled, CompiledKernel):
-            self._kept = (kernel, specialisation(tensors), compiled[self._grid3()], self._rest(kernel, len(tensors)))
+            rest = tuple(self._rest(kernel, len(tensors)).values())
+            self._kept = (kernel, specialisation(tensors), compiled[self._grid3()], rest)
 
     def _grid3(self) -> tuple[int, int, int]:
         return (*self.grid, *(1,) * (3 - len(self.grid)))
 
-    def _rest(self, kernel, tensors: int) -> tuple:
-        """The values of the kernel's parameters after its tensors and integers, in its order: meta arguments
+    def _rest(self, kernel, tensors: int) -> dict:
+        """The kernel's parameters after its tensors and integers, in its order, with their values: meta arguments
         (constexprs among them) or the parameters' defaults. Launch options (num_warps, ...) are no parameters."""
-        names = kernel.arg_names[tensors + len(self.ints):]
-        defaults = kernel.signature.parameters
-        return tuple(self.meta[name] if name in self.meta else defaults[name].default for name in names)
+        defaults = inspect.signature(kernel.fn).parameters  # (the Python function of a jit or interpreted kernel)
+        return {name: self.meta[name] if name in self.meta else defaults[name].default
+                for name in kernel.arg_names[tensors + len(self.ints):]}
+
+
+class TracedLaunch(KernelLaunch):
+    """A launch inside a `torch.library.triton_op`, which torch.compile traces: `wrap_triton(kernel)[grid](...)`,
+    with every parameter given (inductor takes no defaults). Inductor passes a kernel's warps and stages, and no
+    register cap or programmatic dependent launch."""
+
+    def run(self, kernel, tensors) -> None:
+        rest = self._rest(kernel, len(tensors))
+        options = {name: value for name, value in self.meta.items() if name not in rest}
+        wrap_triton(kernel)[self.grid](*tensors, *self.ints, **rest, **options)
 
 
 def launch_with(launch, **meta) -> KernelLaunch:
     """`launch` with some meta arguments changed: a launch of its own (it compiles a kernel of its own)."""
     grid, ints, kw = launch
-    return KernelLaunch(grid, ints, {**kw, **meta})
+    return type(launch)(grid, ints, {**kw, **meta})

@@ -1,7 +1,9 @@
 """The Triton backend of `mhla_attention`: plans and launches the kernels of `mhla_kernels` (with the launch
 settings of `settings`) and wraps them in an autograd Function whose backward also yields the gradient of the
 (learnable) mixing. Each launch is a `launch.KernelLaunch`: Triton's `kernel[grid](*args, **meta)` the first time, then
-the compiled kernel that launch found, while the tensors specialise alike.
+the compiled kernel that launch found, while the tensors specialise alike. Under torch.compile an inference call
+can instead be the triton op `attention_inference_op`, whose kernels inductor launches itself
+(`mhla_attention_triton_traced`).
 
 Forward: summaries (1 launch) → mixing GEMM (1) → readout (1). Backward: query side (dq, and per
 token 1/(den + eps) and −do·o) → dS̃ and dz̃ by the summaries kernel over φ(q) and do, weighted by those →
@@ -37,15 +39,15 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
+from torch.library import triton_op
 
 from ..ops.blocks import BlockLayout
 from ..ops.feature_maps import FEATURE_MAPS
 from . import mhla_kernels as K
 from . import settings
-from .launch import KernelLaunch, launch_with
+from .launch import KernelLaunch, TracedLaunch, launch_with
 
 KERNEL_FEATURE_MAPS = {"relu": 0, "elu": 1}  # the feature maps the kernels apply, by name: their PHI ids
-_PHI_IDS = {id(FEATURE_MAPS[name]): phi for name, phi in KERNEL_FEATURE_MAPS.items()}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the mixing gradient's product precision per input dtype (`_Plan.dmix_prec`)
 _DMIX_PRECISION = {torch.float16: "tf32x3", torch.bfloat16: "tf32", torch.float32: "ieee"}
@@ -56,9 +58,18 @@ def interpreting() -> bool:
     return _INTERPRET
 
 
+def phi_id(phi) -> int | None:
+    """The kernels' id of feature map `phi` (their PHI argument), or None where they do not apply it. Compared by
+    identity, which torch.compile traces (it does not trace `id`)."""
+    for name, kernel_id in KERNEL_FEATURE_MAPS.items():
+        if phi is FEATURE_MAPS[name]:
+            return kernel_id
+    return None
+
+
 def qkv_reason(q, k, v, phi) -> str | None:
     """The feature-map and dtype clauses of the attention and the decoding-step kernels."""
-    if id(phi) not in _PHI_IDS:
+    if phi_id(phi) is None:
         return "a callable feature map (kernels know 'relu' and 'elu')"
     return dtypes_reason(q, k, v)
 
@@ -186,6 +197,7 @@ class _Plan:
     warps: int
     wanted: int  # programs that fill the device (`_programs_wanted`)
     chained: bool  # launches chained by programmatic dependent launch (`_chained`)
+    traced: bool  # launched inside the triton op that torch.compile traces (`attention_inference_op`)
     # the mixing gradient's products of float32 summaries and dS̃ (`_dmix_kernel`): tf32 rounds them to fp16's own
     # precision, which left fp16 gradients at 3-4x the torch path's error; three tf32 products (tf32x3) keep float32's
     dmix_prec: str
@@ -198,6 +210,9 @@ class _Plan:
     @property
     def mix_sh(self) -> int:
         return self.m * self.m if self.per_head else 0
+
+    def launch(self, grid: tuple, ints: tuple, meta: dict) -> KernelLaunch:
+        return (TracedLaunch if self.traced else KernelLaunch)(grid, ints, meta)
 
     def chain_kw(self) -> dict:
         """The kernels' PDL switch and Triton's launch option, where launches are chained."""
@@ -231,6 +246,7 @@ class _Signature(NamedTuple):
     settings: settings.Settings
     wanted: int
     chained: bool
+    traced: bool
 
 
 def _plan(sig: _Signature) -> _Plan:
@@ -247,9 +263,9 @@ def _plan(sig: _Signature) -> _Plan:
     bd, bdv = _p2(dim), _p2(dv)
     return _Plan(
         batch, layout.num_tokens, heads, kv_heads, heads if per_head else kv_heads, dim, dv, layout.num_blocks,
-        dim * dv + dim, causal, _PHI_IDS[id(sig.phi)], sig.normalize, sig.scale, sig.eps, geometry, bt, bd, bdv,
+        dim * dv + dim, causal, phi_id(sig.phi), sig.normalize, sig.scale, sig.eps, geometry, bt, bd, bdv,
         "ieee" if sig.dtype == torch.float32 else "tf32", per_head, s.wide_warps if max(bd, bdv) >= 128 else s.warps,
-        sig.wanted, sig.chained, _DMIX_PRECISION[sig.dtype], s,
+        sig.wanted, sig.chained, sig.traced, _DMIX_PRECISION[sig.dtype], s,
     )
 
 
@@ -259,6 +275,15 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 
 
 _FORWARD_SHAPED = ("summaries", "readout", "bwd_summaries")  # head dims in two column parts (non-causal)
+_INFERENCE = ("summaries", "readout")  # the token-row launches of an inference forward
+
+
+def _own_setting(s: settings.Settings, name: str, dim: int, dv: int, causal: bool) -> settings.Launch | None:
+    """The settings table's entry for one token-row launch at head dims (dim, dv): per head dim, where D == Dv."""
+    table = s.causal_launches if causal else s.launches
+    return table.get(name, {}).get(dim) if dim == dv else None
+
+
 _OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float": "grad_float"}  # mix_sweep's keys
 
 
@@ -276,10 +301,8 @@ class _Launches:
         stages, its token tile), then the launch's entry of the settings per head dim. The summaries and
         readout shapes cover a head dim like 72 in two power-of-two column parts (`head_dim_parts`; non-causal)."""
         p = self.p
-        s = p.settings
         kw = p.tile_kw()
-        table = s.causal_launches if p.causal else s.launches
-        own = table.get(name, {}).get(p.dim) if p.dim == p.dv else None
+        own = _own_setting(p.settings, name, p.dim, p.dv, p.causal)
         if own:
             options = dict(num_warps=own.warps, num_stages=own.stages, maxnreg=own.maxnreg)
             kw.update({key: value for key, value in options.items() if value})
@@ -297,7 +320,7 @@ class _Launches:
         kw = {**self._kw(name), **extra}
         splits, per = _split(_cdiv(p.geometry["T"], kw["BT"]), p.batch * heads * p.m, p.wanted)
         kw.update(TILES_PER_PROG=per, DOT_PREC=p.prec, **p.chain_kw(), **({"ATOMIC": splits > 1} if atomic else {}))
-        return KernelLaunch((p.batch * heads, p.m, splits), ints, kw)
+        return p.launch((p.batch * heads, p.m, splits), ints, kw)
 
     def _strides(self):
         p = self.p
@@ -408,7 +431,7 @@ class _Launches:
         ints = (p.mix_heads, p.mix_heads // p.kv_heads, p.batch, p.m, p.cols, per, splits)
         kw = dict(PER_HEAD=p.per_head, STRICT=p.causal, BM=bm, BN=bm, BK=bk, DOT_PREC=p.dmix_prec, num_warps=warps,
                   num_stages=stages, **p.chain_kw())
-        return KernelLaunch((groups * splits, tiles, tiles), ints, kw)
+        return p.launch((groups * splits, tiles, tiles), ints, kw)
 
     @cached_property
     def sum_partials(self):
@@ -421,7 +444,7 @@ class _Launches:
         rows = p.mix_heads if p.per_head else 1
         br, bc, warps = p.settings.sum_tiles
         kw = dict(R=parts // rows, C=p.m * p.m, BR=br, BC=bc, num_warps=warps, **p.chain_kw())
-        return KernelLaunch((rows, _cdiv(p.m * p.m, bc)), (), kw)
+        return p.launch((rows, _cdiv(p.m * p.m, bc)), (), kw)
 
 
 def _mix_launch(p: _Plan, kind: str):
@@ -446,10 +469,10 @@ def _mix_launch(p: _Plan, kind: str):
         splits, per = _split(_cdiv(cols, bn), p.batch * h_out, max(1, p.wanted * per_sm // s.programs_per_sm))
         kw = dict(M=m, MASK=mask, BM=_p2(m), BN=bn, COL_TILES=per, DOT_PREC=p.prec, GRAD=kind.startswith("mix_t"),
                   num_warps=warps, num_stages=stages, **p.chain_kw())
-        return K._mix_sweep_kernel, KernelLaunch((p.batch * h_out, splits), ints, kw)
+        return K._mix_sweep_kernel, p.launch((p.batch * h_out, splits), ints, kw)
     bm, bn, bk, warps = s.mix_tiles
     kw = dict(M=m, R=r, MASK=mask, BM=bm, BN=bn, BK=bk, DOT_PREC=p.prec, num_warps=warps, **p.chain_kw())
-    return K._mix_kernel, KernelLaunch((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
+    return K._mix_kernel, p.launch((p.batch * h_out, _cdiv(m, bm), _cdiv(cols, bn)), ints, kw)
 
 
 def _run(fn, launch: KernelLaunch, tensors):
@@ -638,14 +661,16 @@ def _launches_of(sig: _Signature) -> _Launches:
     return _Launches(_plan(sig))
 
 
-def _launches_for(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps) -> _Launches:
-    """The launches of contiguous inputs; raises when the kernels do not take them."""
+def _launches_for(q, k, v, mixing, layout: BlockLayout, *, causal, phi, normalize, scale, eps,
+                  traced: bool = False) -> _Launches:
+    """The launches of contiguous inputs; raises when the kernels do not take them. `traced`: launches inside the
+    triton op that torch.compile traces (`attention_inference_op`), never chained."""
     reason = unsupported_reason(q, k, v, mixing, layout, causal=causal, phi=phi)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     return _launches_of(_Signature(
         q.shape, k.shape[2], v.shape[-1], mixing.dim() == 3, q.dtype, q.device, layout, causal, phi, normalize,
-        scale, eps, settings.SETTINGS, _programs_wanted(q.device), _chained(q.device),
+        scale, eps, settings.SETTINGS, _programs_wanted(q.device), _chained(q.device) and not traced, traced,
     ))
 
 
@@ -673,3 +698,36 @@ def mhla_attention_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, 
 def _inference(f: _Launches, q, k, v, mixing):
     """The output alone: no autograd node, nothing kept, half-precision summaries."""
     return _forward(f.p, q, k, v, mixing, f, half_summaries=True)[2]
+
+
+# --- inference inside a graph that torch.compile traces --------------------------------------------------------------
+def mhla_attention_triton_traced(q, k, v, mixing, layout: BlockLayout, *, causal, feature_map: str, normalize, scale,
+                                 eps) -> torch.Tensor | None:
+    """An inference call inside a graph that torch.compile traces, as the triton op `attention_inference_op`:
+    inductor launches its kernels itself, so the compiled graph spends no host time on the opaque op's dispatch, the
+    launches' planning or Triton's launch path (about 0.1 ms per call, which bounds a compiled model at small
+    shapes). None where the graph calls the opaque op (`ops.mhla.attention_op`) instead: causal attention, symbolic
+    shapes (they vary between calls, and a plan is made for fixed ones), head dims whose launches take a register
+    cap, which inductor cannot pass (it passes warps and stages), and the interpreter's kernels, which torch cannot
+    trace (`torch.library.wrap_triton` knows compiled ones)."""
+    if causal or interpreting() or any(not isinstance(size, int) for t in (q, k, v) for size in t.shape):
+        return None
+    dim, dv = q.shape[-1], v.shape[-1]
+    if any((_own_setting(settings.SETTINGS, name, dim, dv, False) or settings.Launch()).maxnreg for name in _INFERENCE):
+        return None
+    return attention_inference_op(q, k, v, mixing, list(layout.grid), list(layout.blocks), list(layout.block_size),
+                                  feature_map, normalize, scale, eps)
+
+
+@triton_op("mhla_convert::attention_inference", mutates_args=())
+def attention_inference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, grid: list[int],
+                           blocks: list[int], block_size: list[int], feature_map: str, normalize: bool, scale: float,
+                           eps: float) -> torch.Tensor:
+    """Non-causal MHLA without autograd, on inputs `mhla_attention` checked (the layout as a `BlockLayout`'s grid,
+    blocks and block size, the feature map by name): the inference forward's launches, as `TracedLaunch`es. Output
+    (B, N, H, Dv) in q's dtype."""
+    layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
+    q, k, v, mixing = (t.contiguous() for t in (q, k, v, mixing))
+    f = _launches_for(q, k, v, mixing, layout, causal=False, phi=FEATURE_MAPS[feature_map], normalize=normalize,
+                      scale=scale, eps=eps, traced=True)
+    return _inference(f, q, k, v, mixing)

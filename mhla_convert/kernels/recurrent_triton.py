@@ -70,7 +70,7 @@ def mhla_recurrent_step_triton(state, q, k, v, relative, *, phi, normalize, scal
         groups, window if relative.dim() == 2 else 0, window, float(scale), float(eps), dim, dv,
     )
     K._recurrent_step_kernel[grid](
-        *args, NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT._PHI_IDS[id(phi)], NORMALIZE=normalize,
+        *args, NREC=state.recent_s.shape[2], BG=bg, BD=bd, BE=be, PHI=MT.phi_id(phi), NORMALIZE=normalize,
         num_warps=cfg.warps,
     )
     return out, new_s, new_z

@@ -8,6 +8,8 @@ a named backend is returned as is (its implementation refuses inputs it cannot t
 Operators and their implementation signatures:
 - "attention": `ops.mhla.mhla_attention_torch`; supports(q, k, v, mixing, layout, *, causal, phi); an optional
   backward(do, q, k, v, mixing, layout, *, causal, phi, normalize, scale, eps, needs_grad) → (dq, dk, dv, dmixing);
+  an optional traced(q, k, v, mixing, layout, *, causal, feature_map, normalize, scale, eps) → output, or None where
+  it declines: inference inside a graph torch.compile traces;
 - "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
   supports(state, q, k, v, relative, *, phi);
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm);
@@ -33,21 +35,29 @@ logger = logging.getLogger("mhla_convert.ops")
 OPS = ("attention", "step", "rotary", "rotary_half", "exact", "decode", "older_sums")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
+_TRACED: dict[Callable, Callable] = {}
 _logged: set[tuple] = set()
 _loaded = False
 
 
 def register(op: str, name: str, impl: Callable, supports: Callable[..., bool],
-             backward: Callable | None = None) -> None:
+             backward: Callable | None = None, traced: Callable | None = None) -> None:
     """`backward`: the gradients of `impl` from its inputs alone, for the op's backward under torch.compile (see
-    `ops.mhla.attention_op`); without one, `impl` runs again under `torch.func.vjp`."""
+    `ops.mhla.attention_op`); without one, `impl` runs again under `torch.func.vjp`. `traced`: a form of `impl` for
+    inference inside a graph torch.compile traces, which returns None where it declines (see `ops.mhla`)."""
     _REGISTRY[op][name] = (impl, supports)
     if backward is not None:
         _BACKWARDS[impl] = backward
+    if traced is not None:
+        _TRACED[impl] = traced
 
 
 def backward_of(impl: Callable) -> Callable | None:
     return _BACKWARDS.get(impl)
+
+
+def traced_of(impl: Callable) -> Callable | None:
+    return _TRACED.get(impl)
 
 
 def register_backend(name: str, impl: Callable, supports: Callable[..., bool],

@@ -7,7 +7,8 @@ Semantics (paper §4, App. C), the contract every backend must meet:
 
 Under torch.compile the operator is one custom op, `torch.ops.mhla_convert.attention` (see
 `attention_op`; with exact local chunks `torch.ops.mhla_convert.exact_attention`), so a converted model
-traces whole whatever backend runs inside it.
+traces whole whatever backend runs inside it. Inference calls whose backend has a traceable form (the Triton
+kernels, non-causal, fixed shapes) become that form instead, whose kernels inductor launches itself.
 
 The torch path never forms w: it builds one key–value summary per block (S_b = Σ φ(k) vᵀ,
 z_b = Σ φ(k)), mixes them with one GEMM (S̃_i = Σ_b m_ib S_b) and reads each query out against its
@@ -25,7 +26,7 @@ from typing import Literal
 import torch
 
 from .blocks import BlockLayout, as_axes
-from .dispatch import available_backends, select
+from .dispatch import available_backends, select, traced_of
 from .exact_local import exact_attention
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
 from .library import backend_grads, empty_grads, register_recompute_autograd
@@ -144,10 +145,29 @@ def mhla_attention(
                                scale=scale, eps=eps, key_mask=key_mask, backend=backend)
     k = drop_keys(k, key_mask)
     if torch.compiler.is_compiling() and isinstance(feature_map, str):
+        out = _traced_inference(q, k, v, mixing, layout, causal=causal, feature_map=feature_map, normalize=normalize,
+                                scale=scale, eps=eps, backend=backend)
+        if out is not None:
+            return out
         return attention_op(q, k, v, mixing, layout.grid, layout.blocks, layout.block_size, causal, feature_map,
                             normalize, scale, eps, backend)
     impl = select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal, phi=phi)
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
+
+
+def _traced_inference(q, k, v, mixing, layout, *, causal, feature_map, normalize, scale, eps, backend):
+    """Inside a graph torch.compile traces, an inference call whose backend has a traceable form (`dispatch.register`'s
+    `traced`, e.g. the Triton kernels as a `torch.library.triton_op`, which inductor launches without the opaque op's
+    host time): that form's output, or None, where the graph calls the opaque `attention_op`."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
+        return None
+    phi = FEATURE_MAPS[feature_map]
+    traced = traced_of(select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal,
+                              phi=phi))
+    if traced is None:
+        return None
+    return traced(q, k, v, mixing, layout, causal=causal, feature_map=feature_map, normalize=normalize, scale=scale,
+                  eps=eps)
 
 
 def _grouped_mixing(mixing: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
@@ -190,9 +210,10 @@ def mhla_attention_torch(q, k, v, mixing, layout: BlockLayout, *, causal, phi, n
 
 # --- the operator as a PyTorch custom op --------------------------------------------------------------------------
 # torch.compile sees one opaque node per call, with a fake (shape-only) implementation for tracing and a backward
-# op; the backend is chosen inside, at run time, so no dispatch, logging or kernel cache is ever traced. Eager calls
-# keep the direct path (`mhla_attention`), which skips the dispatcher's host time; callable feature maps, which no
-# op schema can carry, are traced inline.
+# op; the backend is chosen inside, at run time, so no logging or kernel cache is ever traced. (Inference calls that
+# a backend's traced form takes, `_traced_inference`, are the exception: their backend is chosen while tracing.)
+# Eager calls keep the direct path (`mhla_attention`), which skips the dispatcher's host time; callable feature maps,
+# which no op schema can carry, are traced inline.
 # (SymInt: a dynamic token count stays symbolic, so one graph serves every length)
 _ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, bool causal, str feature_map, bool normalize, "
          "float scale, float eps, str backend")
