@@ -37,14 +37,16 @@ for model in wan-layer sana wan; do
     "$py" benchmarks/wan_forward.py --model "$model" >> "$out/whole_models.txt" 2>&1 || { echo "   failed"; failed=1; }
 done
 : > "$out/whole_models_compiled.txt"
-for model in sana wan; do
+for model in dit sana wan; do
     echo "== $py benchmarks/wan_forward.py --model $model --compile >> whole_models_compiled.txt"
     "$py" benchmarks/wan_forward.py --model "$model" --compile >> "$out/whole_models_compiled.txt" 2>&1 \
         || { echo "   failed"; failed=1; }
 done
-echo "== $py benchmarks/wan_forward.py --model sana --compile --mode reduce-overhead >> whole_models_compiled.txt"
-"$py" benchmarks/wan_forward.py --model sana --compile --mode reduce-overhead >> "$out/whole_models_compiled.txt" 2>&1 \
-    || { echo "   failed"; failed=1; }
+for model in dit sana; do
+    echo "== $py benchmarks/wan_forward.py --model $model --compile --mode reduce-overhead >> whole_models_compiled.txt"
+    "$py" benchmarks/wan_forward.py --model "$model" --compile --mode reduce-overhead \
+        >> "$out/whole_models_compiled.txt" 2>&1 || { echo "   failed"; failed=1; }
+done
 for model in llama qwen3; do  # both into lm_generate.json and .md
     step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
 done

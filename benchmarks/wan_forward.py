@@ -1,10 +1,10 @@
 """Whole-transformer forward latency: a Wan2.1-1.3B-shaped `WanTransformer3DModel` (real config,
-random weights) at 81x480x800 (31,500 tokens), or with --model sana a SANA-1600M-shaped
-`SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px; original vs converted to MHLA
-with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at
-0, 3, …, 27).
+random weights) at 81x480x800 (31,500 tokens), with --model sana a SANA-1600M-shaped
+`SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, or with --model dit a DiT-XL/2-shaped
+`DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens); original vs converted to MHLA with the library's own
+`convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|sana|wan-layer] [--backend auto|torch|triton] [--compile]
+    python benchmarks/wan_forward.py [--model wan|sana|dit|wan-layer] [--backend auto|torch|triton] [--compile]
         [--mode default|reduce-overhead]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
@@ -19,7 +19,7 @@ forwards of tens of milliseconds and more. "max-autotune" spends minutes autotun
 well. Each shape compiles once, statically, in the warm-up (never timed); the table then shows every
 variant eager and compiled, its speed-up over the original in the same mode, and compiled over eager.
 
---tiny runs narrow 2-3-layer versions of wan and sana on the CPU in float32 (perf_counter timings;
+--tiny runs narrow 2-3-layer versions of wan, sana and dit on the CPU in float32 (perf_counter timings;
 --compile traces with the "aot_eager" backend, no code generation): a smoke run.
 """
 
@@ -223,6 +223,28 @@ def bench_sana(setup: Setup):
     return "tiny SANA" if setup.tiny else "SANA-1600M-shaped (class defaults)", groups
 
 
+def bench_dit(setup: Setup):
+    from diffusers import DiTTransformer2DModel
+
+    # DiT-XL/2 (28 layers, 16 heads of 72) on 512 px images: 64x64 latents, patch 2
+    config = dict(num_attention_heads=16, attention_head_dim=72, num_layers=28, sample_size=64, in_channels=4,
+                  out_channels=8, patch_size=2)
+    if setup.tiny:
+        config.update(num_attention_heads=2, attention_head_dim=8, num_layers=2, sample_size=8)
+    with torch.device(setup.device):
+        model = DiTTransformer2DModel(**config).to(setup.dtype).eval()
+    side = config["sample_size"]
+    x = setup.randn(1, 4, side, side)
+    t, labels = torch.tensor([500], device=setup.device), torch.tensor([3], device=setup.device)
+    blocks = (2, 2) if setup.tiny else (4, 4)
+    tokens = (side // 2) ** 2
+    variants = {f"original (SDPA), {tokens:,} tokens": model,
+                f"MHLA ({setup.backend}), M={blocks[0] * blocks[1]}": _converted(model, setup, blocks=blocks)}
+    groups = [_measure(variants, lambda m: m(x, timestep=t, class_labels=labels, return_dict=False), setup,
+                       alternate=True)]
+    return "tiny DiT" if setup.tiny else "DiT-XL/2-shaped, 512 px", groups
+
+
 def report(title: str, groups: list, setup: Setup) -> str:
     """The Markdown rows of `groups` (lists of (name, eager ms, compiled ms or None)); speed-ups are against
     each group's first row, in the same mode."""
@@ -248,12 +270,12 @@ def report(title: str, groups: list, setup: Setup) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wan", choices=("wan", "sana", "wan-layer"))
+    ap.add_argument("--model", default="wan", choices=("wan", "sana", "dit", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
                     help="torch.compile's mode (with --compile)")
-    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana)")
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana, dit)")
     args = ap.parse_args(argv)
     if args.mode != "default" and (not args.compile or args.tiny):
         ap.error("--mode needs --compile, on the GPU (--tiny compiles with the aot_eager backend)")
@@ -266,7 +288,8 @@ def main(argv=None) -> str:
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
     try:
-        title, groups = {"wan": bench_wan, "sana": bench_sana, "wan-layer": bench_wan_layer}[args.model](setup)
+        bench = {"wan": bench_wan, "sana": bench_sana, "dit": bench_dit, "wan-layer": bench_wan_layer}[args.model]
+        title, groups = bench(setup)
     finally:
         torch.set_num_threads(threads)
     text = report(title, groups, setup)

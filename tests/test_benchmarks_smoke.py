@@ -140,6 +140,13 @@ def test_wan_forward_tiny_compiled(load):
     assert rows[0][2] == rows[0][4] == "1.00x"
 
 
+def test_wan_forward_tiny_dit_compiled(load):
+    """DiT: original and converted, eager and compiled, in alternating rounds."""
+    rows = _table(load("wan_forward").main(["--tiny", "--model", "dit", "--compile"]))
+    assert [r[0].split(" ")[0] for r in rows] == ["original", "MHLA"]
+    assert all(float(r[3].removesuffix(" ms")) > 0 for r in rows) and rows[0][4] == "1.00x"
+
+
 def test_wan_forward_tiny_sana_records_a_compile_failure(load, monkeypatch):
     """SANA at two sizes, alternating rounds; a model that fails to compile is reported in its row, and the
     eager numbers stay."""
