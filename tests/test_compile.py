@@ -414,6 +414,25 @@ def test_compiled_triton_inference_under_the_interpreter_is_the_opaque_op():
 
 
 @interp
+def test_triton_op_traced_with_symbolic_sizes_is_the_opaque_op():
+    """Traced with symbolic sizes (dynamic=True, or a shape change that makes dynamo's sizes dynamic), the triton op
+    plans nothing: it is the opaque op on the Triton backend, which plans each call's launches at run time. (Traced
+    with fixed sizes it launches the kernels through `wrap_triton`, which the interpreter's kernels cannot take.)"""
+    from mhla_convert.kernels.mhla_triton import attention_inference_op
+
+    def fn(q, k, v, mixing):
+        return attention_inference_op(q, k, v, mixing, [5, 7], [2, 3], [3, 3], "relu", True, 0.25, 1e-6)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    torch.manual_seed(0)
+    for batch, heads in ((2, 2), (3, 4)):
+        q, k, v = (torch.randn(batch, 35, heads, 8) for _ in range(3))
+        mixing = torch.rand(6, 6)
+        want = mhla_attention(q, k, v, mixing, grid=(5, 7), blocks=(2, 3), scale=0.25, backend="triton")
+        assert torch.equal(compiled(q, k, v, mixing), want)
+
+
+@interp
 def test_backend_choice_traces_without_a_graph_break():
     """Inference under torch.compile chooses its backend while tracing (`ops.mhla._traced_inference`): the Triton
     backend's checks must trace whole (no `id()`, which dynamo does not trace)."""
@@ -445,6 +464,25 @@ def test_cuda_inductor_launches_the_inference_kernels_itself(name, tiny):
     source = "\n".join(code)
     assert "_readout_kernel" in source and "mhla_convert.attention." not in source
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [None, True], ids=["a-second-shape", "dynamic"])
+def test_cuda_compiled_inference_at_symbolic_sizes(dynamic):
+    """Compiled with dynamic=True, or called at a second shape (dynamo then makes the changed sizes symbolic), an
+    inference call is the opaque op inside the triton op, and gives eager's outputs at every shape."""
+    torch.manual_seed(0)
+    mixing = torch.rand(4, 4, device="cuda")
+
+    def fn(q, k, v):
+        return mhla_attention(q, k, v, mixing, grid=(8, 8), blocks=(2, 2), backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    with torch.no_grad():
+        for batch, heads in ((1, 2), (2, 3), (3, 5)):
+            q, k, v = (torch.randn(batch, 64, heads, 16, device="cuda") for _ in range(3))
+            torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-6)
 
 
 @gpu

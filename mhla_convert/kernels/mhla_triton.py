@@ -276,14 +276,6 @@ def _rows_strides(n: int, heads: int, dim: int) -> tuple[int, int, int]:
 
 _FORWARD_SHAPED = ("summaries", "readout", "bwd_summaries")  # head dims in two column parts (non-causal)
 _INFERENCE = ("summaries", "readout")  # the token-row launches of an inference forward
-
-
-def _own_setting(s: settings.Settings, name: str, dim: int, dv: int, causal: bool) -> settings.Launch | None:
-    """The settings table's entry for one token-row launch at head dims (dim, dv): per head dim, where D == Dv."""
-    table = s.causal_launches if causal else s.launches
-    return table.get(name, {}).get(dim) if dim == dv else None
-
-
 _OPERANDS = {"mix": "float", "mix_half": "half", "mix_t": "grad", "mix_t_float": "grad_float"}  # mix_sweep's keys
 
 
@@ -301,8 +293,10 @@ class _Launches:
         stages, its token tile), then the launch's entry of the settings per head dim. The summaries and
         readout shapes cover a head dim like 72 in two power-of-two column parts (`head_dim_parts`; non-causal)."""
         p = self.p
+        s = p.settings
         kw = p.tile_kw()
-        own = _own_setting(p.settings, name, p.dim, p.dv, p.causal)
+        table = s.causal_launches if p.causal else s.launches
+        own = table.get(name, {}).get(p.dim) if p.dim == p.dv else None
         if own:
             options = dict(num_warps=own.warps, num_stages=own.stages, maxnreg=own.maxnreg)
             kw.update({key: value for key, value in options.items() if value})
@@ -706,17 +700,22 @@ def mhla_attention_triton_traced(q, k, v, mixing, layout: BlockLayout, *, causal
     """An inference call inside a graph that torch.compile traces, as the triton op `attention_inference_op`:
     inductor launches its kernels itself, so the compiled graph spends no host time on the opaque op's dispatch, the
     launches' planning or Triton's launch path (about 0.1 ms per call, which bounds a compiled model at small
-    shapes). None where the graph calls the opaque op (`ops.mhla.attention_op`) instead: causal attention, symbolic
-    shapes (they vary between calls, and a plan is made for fixed ones), head dims whose launches take a register
-    cap, which inductor cannot pass (it passes warps and stages), and the interpreter's kernels, which torch cannot
-    trace (`torch.library.wrap_triton` knows compiled ones)."""
-    if causal or interpreting() or any(not isinstance(size, int) for t in (q, k, v) for size in t.shape):
+    shapes). None where the graph calls the opaque op (`ops.mhla.attention_op`) instead: causal attention, head dims
+    whose launches take a register cap, which inductor cannot pass (it passes warps and stages), and the
+    interpreter's kernels, which torch cannot trace (`torch.library.wrap_triton` knows compiled ones). (Symbolic
+    shapes are left to the op itself: dynamo reports a symbolic size as an int here.)"""
+    if causal or interpreting():
         return None
     dim, dv = q.shape[-1], v.shape[-1]
-    if any((_own_setting(settings.SETTINGS, name, dim, dv, False) or settings.Launch()).maxnreg for name in _INFERENCE):
-        return None
+    if any(dim == capped and dv == capped for capped in _capped_head_dims(settings.SETTINGS)):  # (compared: a size
+        return None  # may be symbolic, and a symbolic size is no dict key)
     return attention_inference_op(q, k, v, mixing, list(layout.grid), list(layout.blocks), list(layout.block_size),
                                   feature_map, normalize, scale, eps)
+
+
+def _capped_head_dims(s: settings.Settings) -> tuple[int, ...]:
+    """The head dims (D == Dv) at which an inference forward's token-row launches take a register cap."""
+    return tuple(sorted({dim for name in _INFERENCE for dim, own in s.launches.get(name, {}).items() if own.maxnreg}))
 
 
 @triton_op("mhla_convert::attention_inference", mutates_args=())
@@ -725,7 +724,11 @@ def attention_inference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mi
                            eps: float) -> torch.Tensor:
     """Non-causal MHLA without autograd, on inputs `mhla_attention` checked (the layout as a `BlockLayout`'s grid,
     blocks and block size, the feature map by name): the inference forward's launches, as `TracedLaunch`es. Output
-    (B, N, H, Dv) in q's dtype."""
+    (B, N, H, Dv) in q's dtype. Traced with symbolic sizes (a graph for many shapes), it is the opaque op
+    `mhla_convert::attention` on the Triton backend instead, which plans its launches for each call's sizes."""
+    if any(isinstance(size, torch.SymInt) for t in (q, k, v, mixing) for size in t.shape):
+        return torch.ops.mhla_convert.attention(q, k, v, mixing, grid, blocks, block_size, False, feature_map,
+                                                normalize, scale, eps, "triton")
     layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
     q, k, v, mixing = (t.contiguous() for t in (q, k, v, mixing))
     f = _launches_for(q, k, v, mixing, layout, causal=False, phi=FEATURE_MAPS[feature_map], normalize=normalize,
