@@ -707,8 +707,9 @@ def mhla_attention_triton_traced(q, k, v, mixing, layout: BlockLayout, *, causal
     if causal or interpreting():
         return None
     dim, dv = q.shape[-1], v.shape[-1]
-    if any(dim == capped and dv == capped for capped in _capped_head_dims(settings.SETTINGS)):  # (compared: a size
-        return None  # may be symbolic, and a symbolic size is no dict key)
+    # (compared, not looked up in the settings table: a size may be symbolic, and a symbolic size is no dict key)
+    if any(dim == capped and dv == capped for capped in _capped_head_dims(settings.SETTINGS)):
+        return None
     return attention_inference_op(q, k, v, mixing, list(layout.grid), list(layout.blocks), list(layout.block_size),
                                   feature_map, normalize, scale, eps)
 

@@ -145,8 +145,8 @@ def mhla_attention(
                                scale=scale, eps=eps, key_mask=key_mask, backend=backend)
     k = drop_keys(k, key_mask)
     if torch.compiler.is_compiling() and isinstance(feature_map, str):
-        out = _traced_inference(q, k, v, mixing, layout, causal=causal, feature_map=feature_map, normalize=normalize,
-                                scale=scale, eps=eps, backend=backend)
+        out = _traced_inference(q, k, v, mixing, layout, causal=causal, phi=phi, feature_map=feature_map,
+                                normalize=normalize, scale=scale, eps=eps, backend=backend)
         if out is not None:
             return out
         return attention_op(q, k, v, mixing, layout.grid, layout.blocks, layout.block_size, causal, feature_map,
@@ -155,13 +155,12 @@ def mhla_attention(
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps)
 
 
-def _traced_inference(q, k, v, mixing, layout, *, causal, feature_map, normalize, scale, eps, backend):
+def _traced_inference(q, k, v, mixing, layout, *, causal, phi, feature_map, normalize, scale, eps, backend):
     """Inside a graph torch.compile traces, an inference call whose backend has a traceable form (`dispatch.register`'s
     `traced`, e.g. the Triton kernels as a `torch.library.triton_op`, which inductor launches without the opaque op's
     host time): that form's output, or None, where the graph calls the opaque `attention_op`."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
         return None
-    phi = FEATURE_MAPS[feature_map]
     traced = traced_of(select("attention", backend, mhla_attention_torch, q, k, v, mixing, layout, causal=causal,
                               phi=phi))
     if traced is None:
