@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 import mhla_convert
 from mhla_convert import convert, mhla_attention, tiny_model
 from mhla_convert.cli import app
+from mhla_convert.ops.blocks import BlockLayout
 from mhla_convert.train import TrainError
 
 runner = CliRunner()
@@ -436,6 +437,16 @@ def test_operator_refuses_bad_inputs(make, message):
     call = {"mixing": MIX, "grid": (4, 4), "blocks": (2, 2), **make(q, k, v)}
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         mhla_attention(**call)
+
+
+@pytest.mark.parametrize("blocks", [(2.0, 2.0), (True, 2), [2, 2.0]], ids=str)
+def test_cached_layouts_are_not_found_by_equal_non_integers(blocks):
+    """(2.0, 2.0) and (True, 2) hash and compare like (2, 2) and (1, 2): a cached layout of those ints must not
+    answer for them."""
+    BlockLayout.create((4, 4), (2, 2))
+    BlockLayout.create((4, 4), (1, 2))
+    with pytest.raises(ValueError, match="blocks must be whole numbers"):
+        BlockLayout.create((4, 4), blocks)
 
 
 def test_training_errors_share_the_one_line_type():

@@ -68,7 +68,9 @@ class BlockLayout:
         traced call is made once: it builds its layout without the cache, which torch.compile would not keep)."""
         if torch.compiler.is_compiling():
             return cls._build(grid, blocks)
-        # checked before the cache: (2.0, 2.0) hashes like (2, 2) and must not find its layout there
+        if _ints(grid) and _ints(blocks):  # (the cache's own build checks their values)
+            return _cached_layout(grid, blocks)
+        # other types are checked before the cache: (2.0, 2.0) hashes like (2, 2) and must not find its layout there
         return _cached_layout(as_axes("grid", grid), as_axes("blocks", blocks))
 
     @classmethod
@@ -147,6 +149,11 @@ class BlockLayout:
         if self.needs_padding:
             x = x[(slice(None), *(slice(0, length) for length in self.grid))]
         return x.reshape(batch, self.num_tokens, heads, dim)
+
+
+def _ints(value) -> bool:
+    """Whether `value` is a tuple of plain ints (no bools, floats or numpy integers), as layouts are cached by."""
+    return type(value) is tuple and all(type(v) is int for v in value)
 
 
 @functools.lru_cache(maxsize=1024)
