@@ -49,6 +49,7 @@ for model in dit sana; do
     "$py" benchmarks/wan_forward.py --model "$model" --compile --mode reduce-overhead \
         >> "$out/whole_models_compiled.txt" 2>&1 || { echo "   failed"; failed=1; }
 done
+step whole_models_kernels.txt "$py" benchmarks/wan_forward.py --model dit --compile --mode reduce-overhead --kernels 8
 for model in llama qwen3; do  # both into lm_generate.json and .md
     step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
 done

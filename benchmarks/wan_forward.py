@@ -5,7 +5,7 @@ random weights) at 81x480x800 (31,500 tokens), with --model sana a SANA-1600M-sh
 `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
     python benchmarks/wan_forward.py [--model wan|sana|dit|wan-layer] [--backend auto|torch|triton] [--compile]
-        [--mode default|reduce-overhead]
+        [--mode default|reduce-overhead] [--kernels N]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
@@ -19,8 +19,12 @@ forwards of tens of milliseconds and more. "max-autotune" spends minutes autotun
 well. Each shape compiles once, statically, in the warm-up (never timed); the table then shows every
 variant eager and compiled, its speed-up over the original in the same mode, and compiled over eager.
 
+--kernels N then profiles 3 forwards of every variant in each mode (torch.profiler) and prints its N kernels with
+the most GPU time per forward, and its total kernel time: where a whole model's time goes, and how much of it the
+attention takes.
+
 --tiny runs narrow 2-3-layer versions of wan, sana and dit on the CPU in float32 (perf_counter timings;
---compile traces with the "aot_eager" backend, no code generation): a smoke run.
+--compile traces with the "aot_eager" backend, no code generation; --kernels lists CPU ops): a smoke run.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Setup:
     compile: bool = False
     mode: str = "default"
     tiny: bool = False
+    kernels: int = 0
 
     @property
     def device(self) -> str:
@@ -123,9 +128,39 @@ def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[st
                     traceback.print_exc()
                     first = (str(e).strip().splitlines() or [""])[0].replace("|", "/")
                     errors[key] = f"{type(e).__name__}: {first}"
+    if setup.kernels:
+        print(_kernel_profile({key: fn for key, fn in fns.items() if key not in errors}, setup), flush=True)
     median = {key: statistics.median(t) for key, t in times.items() if t}
     return [(name, median[name, "eager"], errors.get((name, "compiled"), median.get((name, "compiled"))))
             for name in models]
+
+
+def _kernel_profile(fns: dict, setup: Setup, forwards: int = 3) -> str:
+    """Markdown: for every (variant, mode) of `fns`, its total kernel time per forward and its `setup.kernels`
+    kernels with the most of it (with --tiny, CPU ops and CPU time), from torch.profiler over `forwards` forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = not setup.tiny
+    time_of = "self_device_time_total" if gpu else "self_cpu_time_total"
+
+    def ms(event) -> float:
+        return getattr(event, time_of) / forwards / 1e3
+
+    lines = []
+    with torch.no_grad():
+        for (name, mode), fn in fns.items():
+            with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+                for _ in range(forwards):
+                    fn()
+                if gpu:
+                    torch.cuda.synchronize()
+            on_gpu = torch.autograd.DeviceType.CUDA
+            events = [e for e in prof.key_averages() if (e.device_type == on_gpu) == gpu]
+            lines += [f"\n{name}, {mode}: {sum(map(ms, events)):.3f} ms of kernel time per forward",
+                      "| kernel | calls per forward | ms per forward |", "|---|---|---|"]
+            lines += [f"| {e.key[:100]} | {e.count / forwards:g} | {ms(e):.3f} |"
+                      for e in sorted(events, key=ms, reverse=True)[: setup.kernels]]
+    return "\n".join(lines)
 
 
 def _converted(model, setup: Setup, **plan):
@@ -275,15 +310,19 @@ def main(argv=None) -> str:
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
                     help="torch.compile's mode (with --compile)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile each variant and print its N kernels with the most time per forward")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana, dit)")
     args = ap.parse_args(argv)
     if args.mode != "default" and (not args.compile or args.tiny):
         ap.error("--mode needs --compile, on the GPU (--tiny compiles with the aot_eager backend)")
-    if args.model == "wan-layer" and (args.compile or args.tiny):
-        ap.error("--model wan-layer times one module's pieces on the GPU, without --compile or --tiny")
+    if args.model == "wan-layer" and (args.compile or args.tiny or args.kernels):
+        ap.error("--model wan-layer times one module's pieces on the GPU, without --compile, --kernels or --tiny")
+    if args.kernels < 0:
+        ap.error(f"--kernels must be a count ≥ 0; got {args.kernels}")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
-    setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny)
+    setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny, kernels=args.kernels)
     threads = torch.get_num_threads()
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU

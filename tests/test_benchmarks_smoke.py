@@ -147,6 +147,24 @@ def test_wan_forward_tiny_dit_compiled(load):
     assert all(float(r[3].removesuffix(" ms")) > 0 for r in rows) and rows[0][4] == "1.00x"
 
 
+def test_wan_forward_tiny_kernel_profile(load, capsys):
+    """--kernels: every variant in each mode gets its total and its N busiest kernels (CPU ops with --tiny)."""
+    load("wan_forward").main(["--tiny", "--model", "dit", "--compile", "--kernels", "2"])
+    out = capsys.readouterr().out
+    sections = [part.strip() for part in out.split("\n\n") if "of kernel time per forward" in part]
+    heads = [part.splitlines()[0] for part in sections]  # "<variant>, <mode>: <ms> ms of kernel time per forward"
+    assert [head.split(": ")[0].split(", ")[-1] for head in heads] == ["eager", "eager", "compiled", "compiled"]
+    assert all(float(head.split(": ")[1].split(" ms")[0]) > 0 for head in heads)
+    assert all(len(_table(part)) == 1 + 2 for part in sections)  # (its header row, then the 2 kernels)
+
+
+@pytest.mark.parametrize("args", [["--tiny", "--kernels", "-1"], ["--model", "wan-layer", "--kernels", "3"]])
+def test_wan_forward_bad_kernel_counts(load, args):
+    with pytest.raises(SystemExit) as exit_:
+        load("wan_forward").main(args)
+    assert exit_.value.code == 2
+
+
 def test_wan_forward_tiny_sana_records_a_compile_failure(load, monkeypatch):
     """SANA at two sizes, alternating rounds; a model that fails to compile is reported in its row, and the
     eager numbers stay."""
