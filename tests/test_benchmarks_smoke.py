@@ -158,11 +158,14 @@ def test_wan_forward_tiny_kernel_profile(load, capsys):
     assert all(len(_table(part)) == 1 + 2 for part in sections)  # (its header row, then the 2 kernels)
 
 
-@pytest.mark.parametrize("args", [["--tiny", "--kernels", "-1"], ["--model", "wan-layer", "--kernels", "3"]])
-def test_wan_forward_bad_kernel_counts(load, args):
+@pytest.mark.parametrize("args, message", [
+    (["--tiny", "--kernels", "-1"], "--kernels must be a count ≥ 0; got -1"),
+    (["--model", "wan-layer", "--kernels", "3"], "without --compile, --kernels"),
+])
+def test_wan_forward_bad_kernel_counts(load, args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         load("wan_forward").main(args)
-    assert exit_.value.code == 2
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_wan_forward_tiny_sana_records_a_compile_failure(load, monkeypatch):
