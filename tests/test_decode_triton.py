@@ -159,9 +159,11 @@ def test_kernel_step_at_lm_shapes(shape):
 
 @run
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmap, dims", [("relu", (8, 6)), ("elu", (5, 7))])
-def test_older_sums_kernel_equals_torch(fmap, dims, dtype, monkeypatch):
-    """A prompt's sums over each row's tokens before `first` (none, some, all; over several programs' splits)."""
+@pytest.mark.parametrize("fmap, dims, chunk, window, exact", [("relu", (8, 6), 4, 4, 0), ("elu", (5, 7), 3, 5, 2)])
+def test_prompt_kernels_equal_torch(fmap, dims, chunk, window, exact, dtype, monkeypatch):
+    """A state started from a prompt by the kernels equals the torch form's in every tensor: rows of no tokens, of
+    fewer than the chunks kept apart, of a partial open chunk, and of the whole prompt (its older tokens over several
+    programs' splits), the ring included."""
     from dataclasses import replace
 
     from mhla_convert.kernels import settings
@@ -169,13 +171,23 @@ def test_older_sums_kernel_equals_torch(fmap, dims, dtype, monkeypatch):
     monkeypatch.setattr(settings, "SETTINGS", replace(settings.SETTINGS, prompt_split_tokens=64))
     dim, dv = dims
     g = torch.Generator().manual_seed(5)
-    k = torch.randn(4, 150, 3, dim, generator=g).to(DEVICE, dtype)
-    v = torch.randn(4, 150, 3, dv, generator=g).to(DEVICE, dtype)
-    first = torch.tensor([-8, 0, 77, 150], device=DEVICE)
-    state = DecodeState(4, 3, dim, dv, chunk_size=4, window=4, feature_map=fmap, dtype=dtype,
-                        device=torch.device(DEVICE))
-    got = decode_triton.older_sums_triton(state, k, v, first)
-    want = state.older_sums_torch(k, v, first)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
-    assert not got[0][:2].any() and bool(got[0][2].abs().sum() > 0)
+    k = torch.randn(5, 150, 3, dim, generator=g).to(DEVICE, dtype)
+    v = torch.randn(5, 150, 3, dv, generator=g).to(DEVICE, dtype)
+    lengths = torch.tensor([150, 77, 9, 2, 0], device=DEVICE)
+    states = [DecodeState(5, 3, dim, dv, chunk_size=chunk, window=window, feature_map=fmap, dtype=dtype,
+                          device=torch.device(DEVICE), exact_chunks=exact) for _ in range(2)]
+    for state in states:  # (what an earlier prompt left behind must not matter)
+        for t in state.tensors():
+            t.copy_(torch.full_like(t, 3))
+    states[0].prefill_torch(k, v, lengths)
+    decode_triton.prompt_triton(states[1], k, v, lengths)
+    _compare(states[1], states[0], dict(atol=1e-4, rtol=1e-5))
+    assert states[1].far_s[0].abs().sum() > 0 and not states[1].far_s[4].any()
+
+
+def test_prompt_kernels_refuse_what_they_cannot_take():
+    state = DecodeState(1, 2, 4, 4, chunk_size=4, window=4, feature_map=torch.sigmoid, dtype=torch.float32,
+                        device=torch.device("cpu"))
+    k = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="feature map"):
+        decode_triton.prompt_triton(state, k, k, torch.tensor([8]))

@@ -101,11 +101,13 @@ class DecodeState:
     @torch.no_grad()
     def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str = "auto") -> None:
         """Start every row afresh from its first `lengths[b]` tokens of k (B, N, H, D), v (B, N, H, Dv);
-        the rest of a row is ignored (the caller packs each row's real tokens first).
+        the rest of a row is ignored (the caller packs each row's real tokens first). The "prompt" op of
+        `ops.dispatch`: `prefill_torch`, or a kernel."""
+        select("prompt", backend, DecodeState.prefill_torch, self, k, v, lengths)(self, k, v, lengths)
 
-        Only the K + 2 chunks around a row's open one are summed one by one (the rollback copies, the recent
-        ones, the open one); everything older is one sum per row and head (the "older_sums" op of
-        `ops.dispatch`: `older_sums_torch`, or a kernel)."""
+    def prefill_torch(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        """`prefill` in torch. Only the K + 2 chunks around a row's open one are summed one by one (the rollback
+        copies, the recent ones, the open one); everything older is one sum per row and head (`older_sums_torch`)."""
         C, K, acc = self.chunk_size, self.keep, self.cur_s.dtype
         n = k.shape[1]
         closed = lengths // C
@@ -119,8 +121,7 @@ class DecodeState:
 
         fk, vb = near(k, self.phi), near(v)
         s, z = torch.einsum("bnchd,bnche->bnhde", fk, vb), fk.sum(2)  # per-chunk sums (B, K + 2, H, ·)
-        older_sums = select("older_sums", backend, DecodeState.older_sums_torch, self, k, v, first)
-        back_far_s, back_far_z = older_sums(self, k, v, first)
+        back_far_s, back_far_z = self.older_sums_torch(k, v, first)
         self.back_far_s.copy_(back_far_s)
         self.back_far_z.copy_(back_far_z)
         self.far_s.copy_(back_far_s + s[:, 0])

@@ -5,7 +5,7 @@ without Triton the import fails and `dispatch` keeps the torch path."""
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
 
 from ..ops.dispatch import register
-from .decode_triton import decode_step_triton, decode_supports, older_sums_supports, older_sums_triton
+from .decode_triton import decode_step_triton, decode_supports, prompt_supports, prompt_triton
 from .mhla_triton import (
     mhla_attention_triton,
     mhla_attention_triton_backward,
@@ -28,12 +28,12 @@ register("step", "triton", mhla_recurrent_step_triton, step_supports)
 register("rotary", "triton", norm_rotate_triton, norm_rotate_supports)
 register("rotary_half", "triton", norm_rotate_half_triton, norm_rotate_half_supports)
 register("decode", "triton", decode_step_triton, decode_supports)
-register("older_sums", "triton", older_sums_triton, older_sums_supports)
+register("prompt", "triton", prompt_triton, prompt_supports)
 
 __all__ = [
     "decode_step_triton", "decode_supports", "mhla_attention_triton", "mhla_recurrent_step_triton",
-    "norm_rotate_supports", "norm_rotate_triton", "norm_rotate_unsupported_reason", "older_sums_supports",
-    "older_sums_triton", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason",
+    "norm_rotate_supports", "norm_rotate_triton", "norm_rotate_unsupported_reason", "prompt_supports",
+    "prompt_triton", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason",
 ]
 
 from . import exact_triton  # noqa: E402, F401  (registers the "exact" op's triton backend)

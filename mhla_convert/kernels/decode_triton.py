@@ -4,9 +4,9 @@
   updates the state in place (the open chunk, a chunk close with its rollback copies, the ring of recent keys
   and values). It is the custom op `torch.ops.mhla_convert.decode_step` (`torch.library.triton_op`), so
   torch.compile sees the kernel and CUDA graphs capture it; the row positions it reads are advanced by the caller.
-- The prompt's older chunks ("older_sums" op): `_older_sums_kernel` sums φ(k) vᵀ over each row's tokens before
-  a given one, reading k and v once in their own dtype, where torch would first copy both to float32 and
-  permute them for a batched product."""
+- The prompt ("prompt" op): `_older_sums_kernel` sums φ(k) vᵀ over each row's older tokens, reading k and v once
+  in their own dtype, where torch would first copy both to float32 and permute them for a batched product; then
+  `_prompt_state_kernel` sums the chunks the state keeps apart and writes every state tensor, the ring included."""
 
 from __future__ import annotations
 
@@ -92,36 +92,46 @@ def decode_step_op(
     return out
 
 
-def older_sums_supports(state, k, v, first) -> bool:
-    return k.is_cuda and older_sums_unsupported_reason(state, k, v, first) is None
+def prompt_supports(state, k, v, lengths) -> bool:
+    return k.is_cuda and prompt_unsupported_reason(state, k, v, lengths) is None
 
 
-def older_sums_unsupported_reason(state, k, v, first) -> str | None:
+def prompt_unsupported_reason(state, k, v, lengths) -> str | None:
     if state.feature_map not in MT.KERNEL_FEATURE_MAPS:
         return f"feature map {state.feature_map!r} (kernels know {', '.join(MT.KERNEL_FEATURE_MAPS)})"
     if state.cur_s.dtype != torch.float32:
         return f"a {state.cur_s.dtype} state (kernels keep float32 summaries)"
+    if not all(t.is_contiguous() for t in state.tensors()):
+        return "a state with non-contiguous tensors"
     return MT.dtypes_reason(k, k, v) or MT.device_reason(k) or MT.head_dims_reason(k, v)
 
 
-def older_sums_triton(state, k, v, first) -> tuple[torch.Tensor, torch.Tensor]:
-    """k (B, N, H_kv, D), v (B, N, H_kv, Dv), first (B,) → (Σ_{t < first[b]} φ(k_t) v_tᵀ (B, H_kv, D, Dv),
-    Σ φ(k_t) (B, H_kv, D)), float32."""
-    reason = older_sums_unsupported_reason(state, k, v, first)
+def prompt_triton(state, k, v, lengths) -> None:
+    """`DecodeState.prefill_torch` in two kernels and a sum: `_older_sums_kernel` sums each row's tokens before the
+    chunks the state keeps apart (split over programs), then `_prompt_state_kernel` sums those chunks and writes every
+    state tensor in place, the ring included: a handful of launches where the torch form makes about 45, each of
+    them host time at a prompt's every converted layer."""
+    reason = prompt_unsupported_reason(state, k, v, lengths)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     batch, n, kv_heads, dim = k.shape
     dv = v.shape[-1]
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    lengths = lengths.to(torch.int64).contiguous()
     split = settings.SETTINGS.prompt_split_tokens
     parts = MT._cdiv(n, split)
     ps = MT._new(parts, batch * kv_heads, dim, dv, device=k.device, dtype=torch.float32)
     pz = MT._new(parts, batch * kv_heads, dim, device=k.device, dtype=torch.float32)
-    K._older_sums_kernel[(batch * kv_heads, parts)](
-        k, v, first.contiguous(), ps, pz, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), kv_heads, D=dim, DV=dv, SPLIT=split, BT=64, BD=MT._p2(dim), BDV=MT._p2(dv),
-        PHI=MT.KERNEL_FEATURE_MAPS[state.feature_map], num_warps=settings.SETTINGS.warps,
-        # (the interpreter's half-precision products are not exact: it takes the float32 ones)
-        HALF_DOT=k.dtype != torch.float32 and state.feature_map == "relu" and not MT.interpreting(),
-    )
-    return ps.sum(0).view(batch, kv_heads, dim, dv), pz.sum(0).view(batch, kv_heads, dim)
+    kw = dict(D=dim, DV=dv, C=state.chunk_size, KEEP=state.keep, BD=MT._p2(dim), BDV=MT._p2(dv),
+              PHI=MT.KERNEL_FEATURE_MAPS[state.feature_map], num_warps=settings.SETTINGS.warps,
+              # (the interpreter's half-precision products are not exact: it takes the float32 ones)
+              HALF_DOT=k.dtype != torch.float32 and state.feature_map == "relu" and not MT.interpreting())
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    K._older_sums_kernel[(batch * kv_heads, parts)](k, v, lengths, ps, pz, *strides, kv_heads, SPLIT=split, BT=64,
+                                                    **kw)
+    state_tensors = (state.position, state.cur_s, state.cur_z, state.recent_s, state.recent_z, state.far_s,
+                     state.far_z, state.back_recent_s, state.back_recent_z, state.back_far_s, state.back_far_z,
+                     state.back_valid, state.ring_k, state.ring_v)
+    K._prompt_state_kernel[(batch * kv_heads, state.keep + 3)](
+        k, v, lengths, ps.sum(0), pz.sum(0), *state_tensors, *strides, n, kv_heads, R=state.slots,
+        BC=MT._p2(state.chunk_size), BR=64, **kw)

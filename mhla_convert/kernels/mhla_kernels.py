@@ -872,31 +872,102 @@ def _decode_mix(mixed, mixed_z, s, z, w):
 
 
 @triton.jit
-def _older_sums_kernel(K, V, FIRST, PS, PZ, skb, skn, skh, svb, svn, svh, HKV,
-                       D: tl.constexpr, DV: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                       BDV: tl.constexpr, PHI: tl.constexpr, HALF_DOT: tl.constexpr):
-    """A prompt's sums Σ φ(k_t) v_tᵀ and Σ φ(k_t) over the tokens t < FIRST[b] of row b and key head hk, split
-    over programs by SPLIT tokens: program (b·HKV + hk, p) writes the float32 partials of its tokens to
-    PS[p, b·HKV + hk] (D, Dv) and PZ[p, b·HKV + hk] (D,). Every product is exact and summed in float32: with
-    HALF_DOT (half inputs, φ = relu, which keeps them representable) on tensor cores in the inputs' dtype, else
-    in float32 without tf32."""
+def _older_sums_kernel(K, V, LEN, PS, PZ, skb, skn, skh, svb, svn, svh, HKV,
+                       D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr, KEEP: tl.constexpr, SPLIT: tl.constexpr,
+                       BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
+                       HALF_DOT: tl.constexpr):
+    """A prompt's sums Σ φ(k_t) v_tᵀ and Σ φ(k_t) over the tokens of row b and key head hk older than the KEEP + 2
+    chunks that its decoding state keeps apart (t < (LEN[b] // C − KEEP − 1)·C), split over programs by SPLIT
+    tokens: program (b·HKV + hk, p) writes the float32 partials of its tokens to PS[p, b·HKV + hk] (D, Dv) and
+    PZ[p, b·HKV + hk] (D,). Every product is exact and summed in float32: with HALF_DOT (half inputs, φ = relu,
+    which keeps them representable) on tensor cores in the inputs' dtype, else in float32 without tf32."""
     bh, p = tl.program_id(0), tl.program_id(1)
     b, hk = (bh // HKV).to(tl.int64), bh % HKV
-    end = tl.load(FIRST + b)
+    end = (tl.load(LEN + b) // C - KEEP - 1) * C
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     dm, em = d < D, e < DV
     acc = tl.zeros((BD, BDV), tl.float32)
     accz = tl.zeros((BD,), tl.float32)
     for t0 in range(0, SPLIT, BT):
         n = p * SPLIT + t0 + tl.arange(0, BT)
-        valid = n < end
-        fk, _ = _load_phi(K + b * skb + hk * skh, n, valid, skn, d, dm, PHI)
-        vt = _load_rows(V + b * svb + hk * svh, n, valid, svn, e, em)
-        if HALF_DOT:
-            acc += tl.dot(tl.trans(fk.to(vt.dtype)), vt)
-        else:
-            acc += tl.dot(tl.trans(fk), vt.to(tl.float32), input_precision="ieee")
-        accz += tl.sum(fk, 0)
+        acc, accz = _sum_rows(K + b * skb + hk * skh, V + b * svb + hk * svh, n, n < end, skn, svn, d, dm, e, em,
+                              acc, accz, PHI, HALF_DOT)
     part = p * tl.num_programs(0) + bh
     tl.store(PS + (part * D + d[:, None]) * DV + e[None, :], acc, mask=dm[:, None] & em[None, :])
     tl.store(PZ + part * D + d, accz, mask=dm)
+
+
+@triton.jit
+def _sum_rows(kp, vp, n, valid, skn, svn, d, dm, e, em, acc, accz, PHI: tl.constexpr, HALF_DOT: tl.constexpr):
+    """acc + Σ φ(k_n) v_nᵀ, accz + Σ φ(k_n) over the valid token rows n (exact products, float32 sums)."""
+    fk, _ = _load_phi(kp, n, valid, skn, d, dm, PHI)
+    vt = _load_rows(vp, n, valid, svn, e, em)
+    if HALF_DOT:
+        acc += tl.dot(tl.trans(fk.to(vt.dtype)), vt)
+    else:
+        acc += tl.dot(tl.trans(fk), vt.to(tl.float32), input_precision="ieee")
+    return acc, accz + tl.sum(fk, 0)
+
+
+@triton.jit
+def _prompt_state_kernel(
+    K, V, LEN, OLD_S, OLD_Z, POS, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, BREC_S, BREC_Z, BFAR_S, BFAR_Z, BVALID,
+    RING_K, RING_V, skb, skn, skh, svb, svn, svh, N, HKV, D: tl.constexpr, DV: tl.constexpr, C: tl.constexpr,
+    KEEP: tl.constexpr, R: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    PHI: tl.constexpr, HALF_DOT: tl.constexpr,
+):
+    """A `DecodeState` started afresh from a prompt (`DecodeState.prefill_torch`), for row b and key head hk of
+    program (b·HKV + hk, j). Programs j < KEEP + 2 sum chunk j of the KEEP + 2 chunks before and at the row's open
+    one (of LEN[b] tokens, chunks of C; their first token may be < 0: no tokens there) and write it where the state
+    keeps it: chunk 0 onto the older chunks' sums OLD (far; OLD itself is the far sums before the last close),
+    chunks 0 … KEEP − 1 as the recent sums before the last close, 1 … KEEP as the recent ones, KEEP + 1 as the open
+    chunk. Program KEEP + 2 fills the ring with the row's last R tokens' keys and values (token t in slot t mod R;
+    slots before the first token hold token 0). Every summary tensor is contiguous (B, HKV, [KEEP,] D[, Dv])."""
+    bh, j = tl.program_id(0), tl.program_id(1)
+    b, hk = (bh // HKV).to(tl.int64), bh % HKV
+    length = tl.load(LEN + b)
+    kp, vp = K + b * skb + hk * skh, V + b * svb + hk * svh
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    dm, em = d < D, e < DV
+    if j < KEEP + 2:
+        first = (length // C - KEEP - 1) * C + j * C
+        acc = tl.zeros((BD, BDV), tl.float32)
+        accz = tl.zeros((BD,), tl.float32)
+        for t0 in range(0, C, BC):
+            n = first + t0 + tl.arange(0, BC)
+            valid = (t0 + tl.arange(0, BC) < C) & (n >= 0) & (n < length)
+            acc, accz = _sum_rows(kp, vp, n, valid, skn, svn, d, dm, e, em, acc, accz, PHI, HALF_DOT)
+        sm, so = dm[:, None] & em[None, :], d[:, None] * DV + e[None, :]
+        if j == 0:
+            old_s = tl.load(OLD_S + bh * D * DV + so, mask=sm)
+            old_z = tl.load(OLD_Z + bh * D + d, mask=dm)
+            tl.store(BFAR_S + bh * D * DV + so, old_s, mask=sm)
+            tl.store(BFAR_Z + bh * D + d, old_z, mask=dm)
+            tl.store(FAR_S + bh * D * DV + so, old_s + acc, mask=sm)
+            tl.store(FAR_Z + bh * D + d, old_z + accz, mask=dm)
+            if hk == 0:
+                tl.store(POS + b, length)
+                tl.store(BVALID + b, length >= C)
+        if j < KEEP:
+            tl.store(BREC_S + (bh * KEEP + j) * D * DV + so, acc, mask=sm)
+            tl.store(BREC_Z + (bh * KEEP + j) * D + d, accz, mask=dm)
+        if (j >= 1) & (j <= KEEP):
+            tl.store(REC_S + (bh * KEEP + j - 1) * D * DV + so, acc, mask=sm)
+            tl.store(REC_Z + (bh * KEEP + j - 1) * D + d, accz, mask=dm)
+        if j == KEEP + 1:
+            tl.store(CUR_S + bh * D * DV + so, acc, mask=sm)
+            tl.store(CUR_Z + bh * D + d, accz, mask=dm)
+    else:
+        oldest = length - R
+        for r0 in range(0, R, BR):
+            r = r0 + tl.arange(0, BR)
+            slot = ((r - oldest) % R + R) % R  # (Python's modulo: Triton's keeps the dividend's sign)
+            n = tl.minimum(tl.maximum(oldest + slot, 0), N - 1).to(tl.int64)
+            live = r < R
+            at = (b * R + r) * HKV + hk
+            tl.store(RING_K + at[:, None] * D + d[None, :],
+                     tl.load(kp + n[:, None] * skn + d[None, :], mask=live[:, None] & dm[None, :]),
+                     mask=live[:, None] & dm[None, :])
+            tl.store(RING_V + at[:, None] * DV + e[None, :],
+                     tl.load(vp + n[:, None] * svn + e[None, :], mask=live[:, None] & em[None, :]),
+                     mask=live[:, None] & em[None, :])

@@ -19,8 +19,8 @@ Operators and their implementation signatures:
   backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing);
 - "decode" (an LM layer's decoding step on its `DecodeState`, in place): `families.lm_state.DecodeState.step_torch`;
   supports(state, q, k, v, relative, *, phi);
-- "older_sums" (a prompt's sums φ(k)ᵀv, φ(k) over each row's tokens before `first`, for its `DecodeState`):
-  `families.lm_state.DecodeState.older_sums_torch`; supports(state, k, v, first).
+- "prompt" (an LM layer's `DecodeState` started afresh from a prompt, in place):
+  `families.lm_state.DecodeState.prefill_torch`; supports(state, k, v, lengths).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary", "rotary_half", "exact", "decode", "older_sums")
+OPS = ("attention", "step", "rotary", "rotary_half", "exact", "decode", "prompt")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _TRACED: dict[Callable, Callable] = {}
