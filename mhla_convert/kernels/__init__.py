@@ -1,5 +1,6 @@
 """Fused Triton kernels for MHLA. Importing this registers the "triton" backend of `mhla_attention`,
-of the recurrent decoding step, of an LM layer's in-place decoding step and of the q/k norm + rotary ops;
+of the recurrent decoding step, of an LM layer's in-place decoding step and its start from a prompt, and of the q/k
+norm + rotary ops;
 without Triton the import fails and `dispatch` keeps the torch path."""
 
 import triton  # noqa: F401  (ImportError here means: no Triton backend)
