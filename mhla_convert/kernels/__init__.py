@@ -37,4 +37,4 @@ __all__ = [
     "prompt_triton", "step_supports", "step_unsupported_reason", "supports", "unsupported_reason",
 ]
 
-from . import exact_triton  # noqa: E402, F401  (registers the "exact" op's triton backend)
+from . import exact_blocks_triton, exact_triton  # noqa: E402, F401  (register the "exact_blocks", "exact" backends)
