@@ -16,7 +16,7 @@ from mhla_convert.families import adapter_for_model, families
 from mhla_convert.layer import MHLAConfig, MHLAttention
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import BlockLayout, init_state, mhla_attention, mhla_attention_reference, mhla_recurrent_step
-from mhla_convert.ops.exact_local import exact_attention_op
+from mhla_convert.ops.exact_op import exact_attention_op
 from mhla_convert.ops.mhla import attention_op
 from mhla_convert.ops.recurrent import recurrent_step_op
 
@@ -296,7 +296,8 @@ def test_exact_attention_op_opcheck_and_gradcheck(per_head, masked):
         q, k, v = (torch.randn(batch, n, h, 4, dtype=dtype) for h in (4, 2, 2))
         mixing = torch.rand(*((4,) if per_head else ()), 4, 4, dtype=dtype).tril() + 0.1
         key_mask = (torch.arange(n) >= 2).expand(batch, n).contiguous() if masked else None
-        options = [list(layout.grid), list(layout.blocks), list(layout.block_size), 2, "elu", 0.5, 1e-6, "torch"]
+        options = [list(layout.grid), list(layout.blocks), list(layout.block_size), True, [2], "elu", 0.5, 1e-6,
+                   "torch"]
         return [t.requires_grad_() for t in (q, k, v, mixing)], key_mask, options
 
     tensors, key_mask, options = args(2, torch.float32)

@@ -14,7 +14,8 @@ from mhla_convert.kernels import exact_triton
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import BlockLayout, mhla_attention
 from mhla_convert.ops.dispatch import select
-from mhla_convert.ops.exact_local import exact_attention_op, mhla_attention_exact_local_torch
+from mhla_convert.ops.exact_local import mhla_attention_exact_local_torch
+from mhla_convert.ops.exact_op import exact_attention_op
 from mhla_convert.ops.feature_maps import FEATURE_MAPS
 
 pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
@@ -179,8 +180,8 @@ def test_custom_op_with_triton_backend():
     case = CASES["gqa-partial-chunk-dv"]
     (q, k, v, mixing), layout = _inputs(case)
     tensors = [t.requires_grad_() for t in (q, k, v, mixing)]
-    options = [list(layout.grid), list(layout.blocks), list(layout.block_size), case[7], case[9], case[4] ** -0.5,
-               1e-6]
+    options = [list(layout.grid), list(layout.blocks), list(layout.block_size), True, [case[7]], case[9],
+               case[4] ** -0.5, 1e-6]
     torch.library.opcheck(exact_attention_op, (*tensors, None, *options, "triton"),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     outs = []

@@ -17,6 +17,9 @@ Operators and their implementation signatures:
 - "exact" (causal attention with exact local chunks): `ops.exact_local.mhla_attention_exact_local_torch`;
   supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask); an optional
   backward(do, q, k, v, mixing, layout, *, exact_chunks, phi, scale, eps, needs_grad, key_mask) → (dq, dk, dv, dmixing);
+- "exact_blocks" (non-causal attention with an exact block neighbourhood):
+  `ops.exact_blocks.mhla_attention_exact_blocks_torch`; supports(q, k, v, mixing, layout, *, exact_radius, phi,
+  key_mask); an optional backward as "exact"'s, with exact_radius for exact_chunks;
 - "decode" (an LM layer's decoding step on its `DecodeState`, in place): `families.lm_state.DecodeState.step_torch`;
   supports(state, q, k, v, relative, *, phi);
 - "prompt" (an LM layer's `DecodeState` started afresh from a prompt, in place):
@@ -32,7 +35,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary", "rotary_half", "exact", "decode", "prompt")
+OPS = ("attention", "step", "rotary", "rotary_half", "exact", "exact_blocks", "decode", "prompt")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _TRACED: dict[Callable, Callable] = {}

@@ -17,8 +17,7 @@ Exponentials are taken after subtracting each row's largest window score (at lea
 linear terms and eps scaled by the same factor: the result is the formula above, without overflow.
 
 The parallel form dispatches like `mhla_attention` (op "exact" of `ops.dispatch`; the Triton backend is
-`kernels.exact_triton`); under torch.compile it is one custom op, `torch.ops.mhla_convert.exact_attention`,
-whose backward runs the chosen backend's registered backward, else its forward again under `torch.func.vjp`.
+`kernels.exact_triton`); under torch.compile it is one custom op (`ops.exact_op`).
 """
 
 from __future__ import annotations
@@ -29,9 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import BlockLayout
-from .dispatch import select
-from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
-from .library import backend_grads, empty_grads, register_recompute_autograd
+from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
 from .recurrent import MHLAState, advance, init_state, step_terms
 
 
@@ -97,72 +94,6 @@ def mhla_attention_exact_local_torch(
         allowed = allowed & (real.view(batch, 1, 1, m, 1, -1) > 0)
     out = read_window(num, den, qr, kw, vw, weights, allowed, eps=eps)
     return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
-
-
-def exact_attention(q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, feature_map: FeatureMap, phi,
-                    scale: float, eps: float, key_mask, backend: str):
-    """`mhla_attention(..., exact_chunks=L)` on checked inputs: eager calls run the backend's implementation
-    directly; traced calls are one `exact_attention_op` node, which picks it at run time (a callable feature map,
-    which no op schema carries, is traced inline)."""
-    if torch.compiler.is_compiling() and isinstance(feature_map, str):
-        return exact_attention_op(q, k, v, mixing, key_mask, layout.grid, layout.blocks, layout.block_size,
-                                  exact_chunks, feature_map, scale, eps, backend)
-    impl = select("exact", backend, mhla_attention_exact_local_torch, q, k, v, mixing, layout,
-                  exact_chunks=exact_chunks, phi=phi, key_mask=key_mask)
-    return impl(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
-
-
-# --- the parallel form as a PyTorch custom op (as `ops.mhla.attention_op`) ------------------------------------------
-_ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, int exact_chunks, str feature_map, float scale, "
-         "float eps, str backend")
-
-
-def _backend(q, k, v, mixing, key_mask, grid, blocks, block_size, exact_chunks, feature_map, backend):
-    """(implementation, layout, φ) for the op's arguments."""
-    layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
-    phi = FEATURE_MAPS[feature_map]
-    impl = select("exact", backend, mhla_attention_exact_local_torch, q, k, v, mixing, layout,
-                  exact_chunks=exact_chunks, phi=phi, key_mask=key_mask)
-    return impl, layout, phi
-
-
-@torch.library.custom_op("mhla_convert::exact_attention", mutates_args=(),
-                         schema=f"(Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? key_mask, {_ARGS}) -> Tensor")
-def exact_attention_op(q, k, v, mixing, key_mask, grid, blocks, block_size, exact_chunks, feature_map, scale, eps,
-                       backend):
-    """`exact_attention` on checked inputs: the chunked layout as (grid, blocks, block_size) of a `BlockLayout`,
-    the feature map by name. Output (B, N, H, D_v), contiguous, in q's dtype."""
-    impl, layout, phi = _backend(q, k, v, mixing, key_mask, grid, blocks, block_size, exact_chunks, feature_map,
-                                 backend)
-    return impl(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps,
-                key_mask=key_mask).contiguous()
-
-
-@exact_attention_op.register_fake
-def _(q, k, v, mixing, *rest):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
-
-
-@torch.library.custom_op(
-    "mhla_convert::exact_attention_backward", mutates_args=(),
-    schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? key_mask, bool[] needs_grad, {_ARGS}) "
-           "-> (Tensor, Tensor, Tensor, Tensor)",
-)
-def exact_attention_backward_op(grad, q, k, v, mixing, key_mask, needs_grad, grid, blocks, block_size, exact_chunks,
-                                feature_map, scale, eps, backend):
-    """(dq, dk, dv, dmixing) of `exact_attention_op` from the inputs alone (`library.backend_grads`)."""
-    impl, layout, phi = _backend(q, k, v, mixing, key_mask, grid, blocks, block_size, exact_chunks, feature_map,
-                                 backend)
-    options = dict(exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
-    return backend_grads(impl, grad, (q, k, v, mixing), layout, options, needs_grad)
-
-
-@exact_attention_backward_op.register_fake
-def _(grad, q, k, v, mixing, *rest):
-    return empty_grads(q, k, v, mixing)
-
-
-register_recompute_autograd(exact_attention_op, exact_attention_backward_op, saved=5, differentiable=4)  # (key_mask)
 
 
 @dataclass

@@ -6,7 +6,7 @@ Semantics (paper §4, App. C), the contract every backend must meet:
     o_t  = Σ_s w_ts v_s / (Σ_s w_ts + eps)                  (no denominator if normalize=False)
 
 Under torch.compile the operator is one custom op, `torch.ops.mhla_convert.attention` (see
-`attention_op`; with exact local chunks `torch.ops.mhla_convert.exact_attention`), so a converted model
+`attention_op`; with an exact local region `torch.ops.mhla_convert.exact_attention`), so a converted model
 traces whole whatever backend runs inside it. Inference calls whose backend has a traceable form (the Triton
 kernels, non-causal, fixed shapes) become that form instead, whose kernels inductor launches itself.
 
@@ -27,7 +27,8 @@ import torch
 
 from .blocks import BlockLayout, as_axes
 from .dispatch import available_backends, select, traced_of
-from .exact_local import exact_attention
+from .exact_blocks import exact_radius_axes
+from .exact_op import exact_attention
 from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
 from .library import backend_grads, empty_grads, register_recompute_autograd
 
@@ -103,8 +104,8 @@ def check_inputs(q, k, v, mixing, *, grid, blocks, causal, chunk_size=None) -> B
 def mhla_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, *, grid=None, blocks=None,
     causal: bool = False, chunk_size: int | None = None, feature_map: FeatureMap = "relu", normalize: bool = True,
-    scale: float | None = None, eps: float = 1e-6, exact_chunks: int = 0, key_mask: torch.Tensor | None = None,
-    backend: Backend = "auto",
+    scale: float | None = None, eps: float = 1e-6, exact_chunks: int = 0, exact_radius=None,
+    key_mask: torch.Tensor | None = None, backend: Backend = "auto",
 ) -> torch.Tensor:
     """Multi-Head Linear Attention.
 
@@ -125,6 +126,9 @@ def mhla_attention(
         exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read
             with the softmax kernel exp(q·k / √D) instead of φ(q)·φ(k) (`ops.exact_local`); 0 = pure MHLA.
             Always normalised.
+        exact_radius: non-causal only: each query block's neighbourhood — the blocks within `exact_radius` of it
+            along every grid axis (a whole number, or one per axis; 0 = its own block) — is read with the softmax
+            kernel instead of φ(q)·φ(k) (`ops.exact_blocks`); None = pure MHLA. Always normalised.
         key_mask: (B, N) bool, False for padding: those keys get weight 0 (built-in feature maps).
         backend: "torch", "triton" or "auto" (fastest available for these inputs).
 
@@ -141,7 +145,14 @@ def mhla_attention(
     if exact_chunks:
         if not causal or not normalize or exact_chunks < 0:
             raise ValueError(f"exact_chunks={exact_chunks} needs causal=True, normalize=True and a count ≥ 0")
-        return exact_attention(q, k, v, mixing, layout, exact_chunks=exact_chunks, feature_map=feature_map, phi=phi,
+        return exact_attention(q, k, v, mixing, layout, causal=True, exact=(exact_chunks,), feature_map=feature_map,
+                               phi=phi, scale=scale, eps=eps, key_mask=key_mask, backend=backend)
+    if exact_radius is not None:
+        if causal or not normalize:
+            raise ValueError(f"exact_radius={exact_radius} needs causal=False and normalize=True "
+                             "(causal layers read their nearest chunks exactly with exact_chunks)")
+        radius = exact_radius_axes(exact_radius, len(layout.grid))
+        return exact_attention(q, k, v, mixing, layout, causal=False, exact=radius, feature_map=feature_map, phi=phi,
                                scale=scale, eps=eps, key_mask=key_mask, backend=backend)
     k = drop_keys(k, key_mask)
     if torch.compiler.is_compiling() and isinstance(feature_map, str):

@@ -11,10 +11,11 @@ from .mhla import check_inputs
 
 def mhla_weights_reference(
     q, k, mixing, *, grid=None, blocks=None, causal=False, chunk_size=None, feature_map: FeatureMap = "relu",
-    scale=None, exact_chunks=0,
+    scale=None, exact_chunks=0, exact_radius=None,
 ) -> torch.Tensor:
     """The explicit (B, H, N, N) weight matrix w_ts = m[b(t), b(s)]·scale·φ(q_t)·φ(k_s), with the kernel
-    exp(q_t·k_s / √D) instead where b(t) − b(s) < exact_chunks."""
+    exp(q_t·k_s / √D) instead where b(t) − b(s) < exact_chunks (causal) or where the blocks' coordinates differ by
+    at most exact_radius along every grid axis (non-causal)."""
     layout = check_inputs(q, k, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size)
     phi = resolve_feature_map(feature_map)
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -24,9 +25,15 @@ def mhla_weights_reference(
     scores = torch.einsum("bthd,bshd->bhts", phi(q.to(acc)) * scale, phi(k.to(acc)))
     ids = layout.block_ids(device=q.device)
     per_head = mixing.to(acc).expand(heads, *mixing.shape[-2:])
+    near = None
     if exact_chunks:
-        exact = torch.einsum("bthd,bshd->bhts", q.to(acc), k.to(acc)).mul(q.shape[-1] ** -0.5).exp()
         near = (ids[:, None] - ids[None, :]) < exact_chunks
+    elif exact_radius is not None:
+        radius = torch.tensor(exact_radius, device=q.device).expand(len(layout.blocks))
+        coords = torch.stack(torch.unravel_index(ids, layout.blocks), -1)  # (N, axes) block coordinates
+        near = ((coords[:, None] - coords[None, :]).abs() <= radius).all(-1)
+    if near is not None:
+        exact = torch.einsum("bthd,bshd->bhts", q.to(acc), k.to(acc)).mul(q.shape[-1] ** -0.5).exp()
         scores = torch.where(near, exact, scores)
     w = scores * per_head[:, ids][:, :, ids]
     if causal:
@@ -36,12 +43,12 @@ def mhla_weights_reference(
 
 def mhla_attention_reference(
     q, k, v, mixing, *, grid=None, blocks=None, causal=False, chunk_size=None,
-    feature_map: FeatureMap = "relu", normalize=True, scale=None, eps=1e-6, exact_chunks=0,
+    feature_map: FeatureMap = "relu", normalize=True, scale=None, eps=1e-6, exact_chunks=0, exact_radius=None,
 ) -> torch.Tensor:
     """o_t = Σ_s w_ts v_s / (Σ_s w_ts + eps), straight from the definition."""
     w = mhla_weights_reference(
         q, k, mixing, grid=grid, blocks=blocks, causal=causal, chunk_size=chunk_size, feature_map=feature_map,
-        scale=scale, exact_chunks=exact_chunks,
+        scale=scale, exact_chunks=exact_chunks, exact_radius=exact_radius,
     )
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2).to(w.dtype)
     out = torch.einsum("bhts,bshe->bthe", w, v)
