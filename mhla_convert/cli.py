@@ -65,6 +65,18 @@ def _int_list(text: str | None, option: str, what: str, example: str) -> list[in
         raise ValueError(f"{option} must be comma-separated {what} like {example}; got {text!r}") from None
 
 
+def _radius(text: str) -> int | tuple[int, ...] | None:
+    """--exact-radius: 'none', a whole number or one per axis ('1x0x0')."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        values = tuple(int(t) for t in text.strip().lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--exact-radius must be a whole number like 1, one per axis like 1x0x0, or none; "
+                         f"got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
 def _number_or_name(text: str) -> float | str:
     """A number where the text is one (a blend weight), else the text (a name)."""
     try:
@@ -84,14 +96,20 @@ def convert_command(
     strategy: str = typer.Option(
         "spread", help="Which layers for a ratio: spread, first, last or auto (least sensitive; needs --calibration)."),
     calibration: Optional[str] = typer.Option(
-        None, help="--strategy auto: data to score layers on: synthetic, latents, an image/video folder or text."),
-    calibration_batches: int = typer.Option(4, help="--strategy auto: how many calibration examples (one per batch)."),
+        None, help="Data to score layers on (--strategy auto) and to fit the weight outside an exact region: "
+        "synthetic, latents, an image/video folder or text."),
+    calibration_batches: int = typer.Option(4, help="With --calibration: how many examples (one per batch)."),
     fit_steps: int = typer.Option(0, help="--strategy auto: Adam steps fitting each layer to its original first."),
     layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
-    attention: str = typer.Option("mhla", help="mhla, or linear: plain linear attention (one block / window 1)."),
+    attention: str = typer.Option(
+        "mhla", help="mhla; linear: plain linear attention (one block / window 1); local: the original's softmax "
+        "cut to the exact region (a control)."),
     blocks: Optional[str] = typer.Option(
         None, help="Blocks per token-grid axis, e.g. 4x4 or 7x3x5 (default: the family's)."
     ),
+    exact_radius: Optional[str] = typer.Option(
+        None, help="Non-causal families: read the blocks within this many blocks of a query's own exactly, e.g. 1, "
+        "or one per axis: 1x0x0 (default: the family's); 'none' turns it off."),
     mixing_init: Optional[str] = typer.Option(
         None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
     ),
@@ -112,6 +130,7 @@ def convert_command(
     private: bool = typer.Option(False, help="With --push: create the repo private."),
 ) -> None:
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
+    from .calibrate import fits_far_weight
     from .convert import check_conversion, convert
     from .io import check_save_target, save_pretrained
     from .models import load_source, resolve, save_companions, source_meta_model
@@ -125,13 +144,17 @@ def convert_command(
                        attention=attention)
         if mixing_init is not None:
             options["mixing_init"] = _number_or_name(mixing_init)
+        if exact_radius is not None:
+            options["exact_radius"] = _radius(exact_radius)
         torch_dtype = parse_dtype(dtype)
         check_options(ratio=ratio, strategy=strategy, **options)
         auto = options["layers"] is None and strategy == "auto"
         if auto and calibration is None:
             raise ValueError(AUTO_NEEDS_CALIBRATION)
-        if calibration is not None and not auto:
-            raise ValueError("--calibration is for --strategy auto (without --layers); drop it or add --strategy auto")
+        useless_calibration = ("--calibration ranks layers for --strategy auto (without --layers) and fits the weight "
+                               "outside an exact region (--attention mhla); drop it or add --strategy auto")
+        if calibration is not None and not auto and attention != "mhla":
+            raise ValueError(useless_calibration)
         if fit_steps and not auto:
             raise ValueError("--fit-steps is for --strategy auto (without --layers); drop it or add --strategy auto")
         if fit_steps < 0:
@@ -146,10 +169,12 @@ def convert_command(
             check_pipeline_source(source)
         skeleton = source_meta_model(source)  # the options against the model's config, before its weights load
         if skeleton is not None:
-            check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
+            resolved = check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
+            if calibration is not None and not auto and not fits_far_weight(resolved, attention):
+                raise ValueError(useless_calibration)
         with _step(f"loading {source.describe()}"):
             base = load_source(source, torch_dtype=torch_dtype)
-        if auto:
+        if calibration is not None:
             with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
                 options["calibration"] = _calibration(base, calibration, calibration_batches)
         with _step("converting"):

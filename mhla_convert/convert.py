@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from torch import nn
+from tqdm.auto import tqdm
 
+from .calibrate import fit_far_weight, fits_far_weight, original_calls
 from .families import adapter_for_model
 from .layer import MHLAConfig
 from .ops.blocks import whole_number
 from .options import check_options, parse_blocks, resolve_config
 from .plan import AUTO_NEEDS_CALIBRATION, plan_layers
-from .sensitivity import layer_sensitivity
+from .sensitivity import check_calibration, layer_sensitivity
 
 __all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
 
@@ -26,6 +28,7 @@ class LayerReport:
     blocks: tuple[int, ...] | None
     grid: tuple[int, ...] | None
     params_added: int
+    far_weight: float | None = None  # fitted to calibration data (calibrate.py)
 
 
 @dataclass
@@ -76,7 +79,8 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     every layer on `calibration` (batches of keyword inputs for `model(**batch)`, see
     `sensitivity.layer_sensitivity`: `fit_steps` > 0 fits each scored layer briefly first, `progress`
     shows a progress bar) and converts the least
-    sensitive ones. attention "linear" is plain linear attention (M = 1, see `options`); blocks
+    sensitive ones; with an exact region (`exact_chunks`, `exact_radius`) the batches also fit each layer's weight
+    outside it (`calibrate.py`). attention "linear" is plain linear attention (M = 1, see `options`); blocks
     overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
     fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
     """
@@ -85,11 +89,12 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     adapter = adapter_for_model(model)
     num_layers = len(adapter.attention_modules(model))
     auto = layers is None and strategy == "auto"
+    fit_far = fits_far_weight(config, attention)
     if auto and calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
-    if not auto and calibration is not None:
-        raise ValueError("calibration data only ranks layers for strategy 'auto' (without a layers list); "
-                         "drop it or use strategy='auto'")
+    if not (auto or fit_far) and calibration is not None:
+        raise ValueError("calibration data ranks layers for strategy 'auto' (without a layers list) and fits the "
+                         "weight outside an exact region; this conversion does neither: drop it or use strategy='auto'")
     if whole_number(fit_steps) is None or fit_steps < 0:
         raise ValueError(f"fit_steps must be a whole number ≥ 0; got {fit_steps!r}")
     if not auto and fit_steps:
@@ -103,11 +108,15 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     report = ConversionReport(adapter.name, num_layers, indices, config=config.to_dict(), attention=attention,
                               strategy=chosen_by, sensitivity=sensitivity)
     if indices:
-        adapter.prepare(model)
-    for i in indices:
+        adapter.prepare(model)  # (the token-grid hook the fitted layers read: it adds nothing to the state)
+    batches = check_calibration(calibration) if fit_far and calibration is not None else None
+    for i in tqdm(indices, desc="fitting far weights", disable=not (progress and batches), dynamic_ncols=True):
+        if batches:  # (the first layer's calls also check the batches, before any layer changes)
+            calls, targets = original_calls(model, adapter.attention_modules(model)[i], batches)
         new = adapter.convert_layer(model, i, config)
         added = sum(p.numel() for n, p in new.named_parameters() if n == "mixing" or n.startswith("out_norm"))
-        report.layers.append(LayerReport(i, config.blocks, adapter.native_grid(model), added))
+        far = fit_far_weight(new, calls, targets) if batches else None
+        report.layers.append(LayerReport(i, config.blocks, adapter.native_grid(model), added, far))
     setattr(model, PLAN_ATTR, {
         "family": adapter.name, "num_layers": num_layers, "layers": indices, "mhla_config": config.to_dict(),
         "attention": attention, "strategy": chosen_by, "sensitivity": sensitivity,

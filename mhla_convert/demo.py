@@ -37,7 +37,7 @@ def layer_reference_error(model, inputs, grid) -> float:
         cfg = layer.config
         ref = mhla_attention_reference(
             q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale,
-            eps=cfg.eps,
+            eps=cfg.eps, exact_radius=cfg.exact_radius,
         )
         return (layer.output(ref) - seen["out"]).abs().max().item()
 

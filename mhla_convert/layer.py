@@ -14,7 +14,14 @@ from typing import Callable, ClassVar, Literal
 import torch
 from torch import nn
 
-from .mixing import MixingInit, check_mixing_init, initial_mixing, relative_causal_mixing, toeplitz_causal_mixing
+from .mixing import (
+    MixingInit,
+    check_mixing_init,
+    initial_mixing,
+    region_mixing,
+    relative_causal_mixing,
+    toeplitz_causal_mixing,
+)
 from .ops import (
     ExactLocalState,
     MHLAState,
@@ -25,6 +32,7 @@ from .ops import (
     mhla_recurrent_step,
 )
 from .ops.blocks import as_axes, whole_number
+from .ops.exact_blocks import exact_mask, exact_radius_axes
 from .ops.feature_maps import drop_keys
 from .ops.mhla import check_options
 
@@ -42,6 +50,12 @@ class MHLAConfig:
         one mixing weight per chunk distance up to `window` (see mixing.py), so no length cap.
     exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read with
         the host's softmax kernel instead of linear summaries (ops.exact_local); < window; 0 = pure MHLA.
+    exact_radius: non-causal only: the blocks within this many blocks of a query's own along every grid axis
+        (a whole number or one per axis; 0 = its own block) are read with the host's softmax kernel instead of
+        linear summaries (ops.exact_blocks); None = pure MHLA.
+    far_init: with an exact region, the initial mixing weight of what lies outside it, relative to the region's 1
+        and shaped by `mixing_init` (mixing.region_mixing): 0 starts as the host's attention cut to the region;
+        conversion with calibration data fits it per layer (calibrate.py).
     rope: "before_feature_map" rotates q and k with the host's RoPE, then applies φ — the
         operator's exact semantics, weights stay non-negative; "none" ignores the host's RoPE.
     output_norm: per-head RMSNorm on the attention output (new parameters, weight 1).
@@ -52,6 +66,8 @@ class MHLAConfig:
     chunk_size: int = 64
     window: int = 8
     exact_chunks: int = 0
+    exact_radius: int | tuple[int, ...] | None = None
+    far_init: float = 0.0
     feature_map: str = "relu"
     normalize: bool = True
     scale: float | None = None
@@ -86,10 +102,23 @@ class MHLAConfig:
             raise ValueError(
                 f"exact_chunks={self.exact_chunks} needs a causal, normalised layer and exact_chunks < window "
                 f"(window={self.window}); use exact_chunks=0 or raise window")
+        if not (isinstance(self.far_init, (int, float)) and not isinstance(self.far_init, bool)
+                and 0 <= self.far_init < float("inf")):
+            raise ValueError(f"far_init must be a finite number ≥ 0; got {self.far_init!r}")
+        if self.exact_radius is not None:
+            axes = len(self.blocks) if self.blocks is not None else (
+                1 if isinstance(self.exact_radius, int) else len(self.exact_radius))
+            radius = exact_radius_axes(self.exact_radius, axes)
+            self.exact_radius = radius[0] if isinstance(self.exact_radius, int) else radius
+            if self.causal or not self.normalize:
+                raise ValueError(f"exact_radius={self.exact_radius} needs a non-causal, normalised layer; causal "
+                                 "layers read their nearest chunks exactly with exact_chunks")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["blocks"] = list(self.blocks) if self.blocks is not None else None
+        if isinstance(self.exact_radius, tuple):
+            out["exact_radius"] = list(self.exact_radius)
         return out
 
     @classmethod
@@ -142,14 +171,25 @@ class MHLAttention(nn.Module):
         self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if config.output_norm else nn.Identity()
         self.mixing = nn.Parameter(self._initial_mixing(), requires_grad=config.learnable_mixing)
 
-    def _initial_mixing(self) -> torch.Tensor:
+    @property
+    def has_region(self) -> bool:
+        """Whether part of each query's keys is read exactly (`exact_chunks` / `exact_radius`)."""
+        return bool(self.config.exact_chunks) or self.config.exact_radius is not None
+
+    def _initial_mixing(self, far_init: float | None = None) -> torch.Tensor:
+        """The mixing at conversion; `far_init` overrides the config's (`calibrate.fit_far_weights`)."""
         cfg = self.config
         if cfg.causal:
             mixing = relative_causal_mixing(cfg.window, cfg.mixing_init)
+            region = torch.arange(cfg.window) < cfg.exact_chunks if cfg.exact_chunks else None
         elif cfg.blocks is None:
             raise ValueError("MHLAConfig.blocks is required for a non-causal layer, e.g. blocks=(4, 4)")
         else:
             mixing = initial_mixing(cfg.mixing_init, cfg.blocks)
+            radius = None if cfg.exact_radius is None else exact_radius_axes(cfg.exact_radius, len(cfg.blocks))
+            region = None if radius is None else exact_mask(cfg.blocks, radius)
+        if region is not None:
+            mixing = region_mixing(mixing, region, cfg.far_init if far_init is None else far_init)
         return mixing.expand(self.num_heads, *mixing.shape).clone() if cfg.per_head_mixing else mixing
 
     def __getattr__(self, name: str):
@@ -194,7 +234,8 @@ class MHLAttention(nn.Module):
 
     def _op_options(self) -> dict:
         cfg = self.config
-        return dict(feature_map=cfg.feature_map, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
+        options = dict(feature_map=cfg.feature_map, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
+        return options if cfg.exact_radius is None else {**options, "exact_radius": cfg.exact_radius}
 
     def attend(self, q, k, v, grid=None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The operator on projected (B, N, H, D) tensors; `grid` is required when non-causal; `key_mask`

@@ -87,6 +87,17 @@ def _blend(init: MixingInit, local: torch.Tensor, uniform: torch.Tensor) -> torc
     return init * local + (1.0 - init) * uniform
 
 
+def region_mixing(shape: torch.Tensor, region: torch.Tensor, far: float) -> torch.Tensor:
+    """The init of a layer with an exact region: weight 1 on the region, so it starts as the host's softmax attention
+    cut to it, and `far` · shape_ij / shape_ii outside (`shape`: a locality / uniform init, (M, M) or relative (W,);
+    `region`: bool, alike). far = 0 starts exactly at that cut attention; larger values let the summaries count.
+    Rows are scaled so that their largest weight is 1 (the output is normalised, so only ratios matter), which keeps
+    every weight in [0, 1] for `clamp_mixing_`."""
+    diagonal = shape[..., :1] if shape.dim() == 1 else shape.diagonal()[:, None]
+    weights = torch.where(region.to(shape.device), torch.ones_like(shape), far * shape / diagonal)
+    return weights / weights.amax(-1, keepdim=True)
+
+
 def toeplitz_causal_mixing(relative: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """Dense causal mixing m_ij = r[min(i − j, W − 1)] for j ≤ i, else 0: (…, W) → (…, M, M)."""
     idx = torch.arange(num_blocks, device=relative.device)

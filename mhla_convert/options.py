@@ -7,6 +7,9 @@ attention="linear": plain linear attention, the baseline MHLA improves on. One b
     (M = 1) for non-causal families; one chunk-distance weight (window 1) for causal ones, which
     gives every earlier chunk the same weight, i.e. causal linear attention (no exact chunks). A single mixing weight
     cancels out of the normalised output, so no other option changes.
+attention="local": the host's softmax attention cut to the exact region of an MHLA conversion with the same options
+    (`exact_chunks` causal, `exact_radius` non-causal): mixing 1 on the region, 0 elsewhere, fixed. Not a speed-up:
+    the control that tells what the summaries outside the region add (a sliding window, for an LM).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from .layer import MHLAConfig
 from .ops.blocks import as_axes
 from .plan import check_selection, parse_layers
 
-ATTENTIONS = ("mhla", "linear")
+ATTENTIONS = ("mhla", "linear", "local")
 USER_OPTIONS = tuple(sorted({f.name for f in dataclasses.fields(MHLAConfig)} - {"blocks", "causal"}))
 
 
@@ -70,6 +73,19 @@ def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int,
     return ones, {**options, "mixing_init": options.get("mixing_init", "uniform")}
 
 
+def _local_attention(adapter, options: dict) -> dict:
+    """options for attention='local': the region's weights alone, fixed."""
+    region = options.get("exact_chunks") if adapter.causal else options.get("exact_radius")
+    if not region and region != 0:
+        name = "exact_chunks" if adapter.causal else "exact_radius"
+        raise ValueError(f"attention='local' keeps only the exact region, and {adapter.name} has none: set {name}")
+    for name, value in (("far_init", 0.0), ("learnable_mixing", False)):
+        if options.get(name, value) != value:
+            raise ValueError(f"attention='local' is fixed mixing of the exact region alone; drop "
+                             f"{name}={options[name]} or use attention='mhla'")
+    return {**options, "far_init": 0.0, "learnable_mixing": False}
+
+
 def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mhla_options) -> MHLAConfig:
     """The MHLAConfig a conversion of `model` uses: family defaults, then `mhla_options`, then `attention`."""
     check_options(blocks=blocks, attention=attention, **mhla_options)
@@ -80,6 +96,8 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
     if attention == "linear":
         blocks, mhla_options = _linear_attention(adapter, model, blocks, mhla_options)
     options = {**adapter.default_options(model), **mhla_options}
+    if attention == "local":
+        options = _local_attention(adapter, options)
     if not adapter.causal:
         default = adapter.default_blocks(model)
         blocks = blocks or default

@@ -74,7 +74,7 @@ class _Reached(Exception):
     pass
 
 
-def _inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
+def inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
     """The args and kwargs `layer` gets when `model` runs `batch`; the forward stops there."""
     seen = {}
 
@@ -102,7 +102,7 @@ def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps
               if (name == "mixing" or name.startswith(fitted)) and p.requires_grad]
     optimizer = torch.optim.Adam(params, lr=lr)
     for step in range(steps):
-        args, kwargs = _inputs_of(model, layer, batches[step % len(batches)])
+        args, kwargs = inputs_of(model, layer, batches[step % len(batches)])
         target = _main_output(original(*args, **kwargs)).float()
         with torch.enable_grad():
             loss = F.mse_loss(_main_output(layer(*args, **kwargs)).float(), target)
@@ -112,7 +112,7 @@ def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps
         clamp_mixing_(layer)
 
 
-def _batches(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_calibration(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     if calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
     batches = list(calibration)
@@ -136,7 +136,7 @@ def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], c
     """
     if not isinstance(fit_steps, int) or fit_steps < 0:
         raise ValueError(f"fit_steps must be a whole number ≥ 0 (0: no fit); got {fit_steps!r}")
-    batches = _batches(calibration)
+    batches = check_calibration(calibration)
     adapter = adapter_for_model(model)
     if any(isinstance(m, MHLAttention) for m in adapter.attention_modules(model)):
         raise ValueError("layer_sensitivity scores the layers of an unconverted model; this one has MHLA layers")

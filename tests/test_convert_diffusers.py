@@ -100,7 +100,8 @@ def test_grid_smaller_than_blocks_is_clamped_to_the_present_blocks(tiny, run_mod
     # the same attention as the full layout with the empty blocks dropped:
     _, layer = mhla_layers(model)[0]
     q = k = v = torch.randn(1, 210, 2, 12)
-    full = mhla_attention_reference(q, k, v, layer.mixing[kept][:, kept], grid=grid, blocks=blocks)
+    full = mhla_attention_reference(q, k, v, layer.mixing[kept][:, kept], grid=grid, blocks=blocks,
+                                    exact_radius=layer.config.exact_radius)
     torch.testing.assert_close(layer.attend(q, k, v, grid), full)
 
 

@@ -145,6 +145,9 @@ class DiffusersAdapter(FamilyAdapter):
     library = "diffusers"
     blocks_attr: ClassVar[str] = "transformer_blocks"
     native_blocks: ClassVar[tuple[int, ...]] = (4, 4)
+    # the blocks within this many of a query's own (per axis) read exactly with the softmax kernel
+    # (MHLAConfig.exact_radius; None: off), chosen per family with the fidelity benchmark (docs/benchmarks.md)
+    exact_radius: ClassVar[int | tuple[int, ...] | None] = 1
     qk_norm: ClassVar[str] = "per_head"  # how the host's processor applies norm_q/norm_k, if it has them
     clip_fp16: ClassVar[bool] = False
     # rotary(*rotary_emb) → the layer's `rotary` callable, for hosts whose attention takes `rotary_emb`
@@ -163,6 +166,9 @@ class DiffusersAdapter(FamilyAdapter):
 
     def default_blocks(self, model: nn.Module) -> tuple[int, ...]:
         return self.native_blocks
+
+    def default_options(self, model: nn.Module) -> dict[str, Any]:
+        return {} if self.exact_radius is None else {"exact_radius": self.exact_radius}
 
     def patch_size(self, model: nn.Module) -> tuple[int, ...]:
         p = model.config.patch_size

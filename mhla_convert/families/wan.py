@@ -105,6 +105,7 @@ class WanAdapter(DiffusersAdapter):
     blocks_attr = "blocks"
     # 81 frames at 480x800 -> 21x30x50 tokens; 7x3x5 = 105 blocks of 3x10x10 tokens (the paper's M).
     native_blocks = (7, 3, 5)
+    exact_radius = 0  # its own block of 3x10x10 tokens at 480p: the neighbours' 27 would cost a quarter of SDPA
     qk_norm = "across_heads"  # WanAttnProcessor norms (B, N, C) before splitting heads
     rotary = InterleavedRotary  # the host's (cos, sin) RoPE tables on interleaved channel pairs
     pipeline_class = "WanPipeline"

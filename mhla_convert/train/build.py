@@ -28,7 +28,8 @@ class Built:
 def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = None) -> Built:
     """`teachers=False` skips copying the original attention (rebuilding a model to load weights into);
     `plan` (a converted model's `mhla_plan`) redoes that conversion instead of choosing layers again."""
-    from ..convert import PLAN_ATTR, apply_plan, convert
+    from ..calibrate import fits_far_weight
+    from ..convert import PLAN_ATTR, apply_plan, check_conversion, convert
     from ..families import UnsupportedModelError, adapter_for_model
     from .transfer import snapshot_attention
 
@@ -65,7 +66,10 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
             report = apply_plan(model, plan)
         else:
             auto = c.strategy == "auto" and c.layers is None
-            calibration = _calibration(recipe, adapter, model) if auto else None
+            config = check_conversion(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
+                                      attention=c.attention, **c.options)
+            calibrate = auto or fits_far_weight(config, c.attention)
+            calibration = _calibration(recipe, adapter, model) if calibrate else None
             report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
                              attention=c.attention, calibration=calibration, **c.options)
     except ValueError as exc:

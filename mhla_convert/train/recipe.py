@@ -38,7 +38,7 @@ class ConversionSpec:
     strategy: Literal["spread", "first", "last", "auto"] = "spread"
     layers: list[int] | None = None
     blocks: str | list[int] | None = None
-    attention: Literal["mhla", "linear"] = "mhla"
+    attention: Literal["mhla", "linear", "local"] = "mhla"
     calibration_batches: int = 4  # strategy auto: batches of the recipe's data that score the layers
     options: dict = field(default_factory=dict)  # MHLAConfig fields
 

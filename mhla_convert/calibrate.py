@@ -1,0 +1,65 @@
+"""Fitting the weight of what lies outside the exact region to calibration data, layer by layer, at conversion.
+
+A layer with an exact region (`exact_chunks`, `exact_radius`) starts with weight 1 on the region and `far` ·
+locality outside it (`mixing.region_mixing`). far = 0 is exactly the host's attention cut to the region; whether
+the summaries outside add information or noise depends on how well φ(q)·φ(k) tracks the host's softmax there,
+which only data tells. So, given calibration batches, each layer in turn (the ones before it already converted and
+fitted, so it sees the inputs it will get) tries every far weight in `CANDIDATES` on the inputs its original gets
+and keeps the one whose output is closest to the original's (mean squared error). 0 is a candidate, so no layer
+starts further from its original than the cut attention does on that data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layer import MHLAttention
+
+CANDIDATES = (0.0, *(2.0**e for e in range(-6, 7)))  # 0, 1/64 … 64 (above 1 the region's weight drops below 1)
+
+
+def fits_far_weight(config, attention: str) -> bool:
+    """Whether a conversion with this resolved `MHLAConfig` and attention kind fits far weights to calibration data."""
+    return attention == "mhla" and (bool(config.exact_chunks) or config.exact_radius is not None)
+
+
+def _main(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@torch.no_grad()
+def fit_far_weight(layer: MHLAttention, calls: list[tuple[tuple, dict]], targets: list[torch.Tensor]) -> float:
+    """Set `layer`'s mixing to its region init with the far weight (of `CANDIDATES`) whose outputs on `calls`
+    ((args, kwargs) of the layer) are closest to `targets`; returns that weight."""
+    best, best_error = 0.0, float("inf")
+    for far in CANDIDATES:
+        layer.mixing.copy_(layer._initial_mixing(far).to(layer.mixing))
+        error = sum(float((_main(layer(*a, **kw)).float() - t.float()).pow(2).mean()) for (a, kw), t in
+                    zip(calls, targets))
+        if error < best_error:
+            best, best_error = far, error
+    layer.mixing.copy_(layer._initial_mixing(best).to(layer.mixing))
+    return best
+
+
+@torch.no_grad()
+def original_calls(model: nn.Module, original: nn.Module, batches: list[dict]):
+    """The (args, kwargs) the not yet converted attention `original` gets when `model` runs each batch (each forward
+    stops there), and its outputs on them; in eval mode."""
+    from .sensitivity import inputs_of
+
+    training = model.training
+    model.eval()
+    try:
+        calls = []
+        for i, batch in enumerate(batches):
+            try:
+                calls.append(inputs_of(model, original, batch))
+            except Exception as exc:  # noqa: BLE001 - whatever the model raises, named in one line
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise ValueError(f"calibration batch {i} does not run through the model ({type(exc).__name__}: "
+                                 f"{first}); each batch must be the keyword inputs of model(**batch)") from None
+        return calls, [_main(original(*args, **kwargs)) for args, kwargs in calls]
+    finally:
+        model.train(training)
