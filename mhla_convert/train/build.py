@@ -1,8 +1,10 @@
 """The model a recipe trains: a base model loaded and converted (keeping its original attention
-as teachers when a stage needs them), or an already-converted MHLA checkpoint."""
+as teachers when a stage needs them, and a copy of the whole original model when a finetune stage
+distils from it), or an already-converted MHLA checkpoint."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -19,6 +21,7 @@ class Built:
     converted: list[int]
     teachers: list[nn.Module] = field(default_factory=list)  # originals of the converted layers
     report: object = None
+    original: nn.Module | None = None  # objective.distill: the unconverted model, frozen, in eval mode
 
     def students(self) -> list[nn.Module]:
         attention = self.adapter.attention_modules(self.model)
@@ -60,6 +63,8 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
         return Built(model, adapter, list(plan.get("layers", [])))
     needs_teachers = teachers and any(s.name == "attention_transfer" for s in recipe.stages)
     originals = snapshot_attention(adapter, model) if needs_teachers else []
+    distills = teachers and recipe.objective.distill > 0 and any(s.name == "finetune" for s in recipe.stages)
+    original = snapshot_model(model) if distills else None
     c = recipe.conversion
     try:
         if plan:
@@ -77,7 +82,14 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
     if not plan and auto:
         _same_choice_on_every_process(report.converted)
     kept = [originals[i] for i in report.converted] if originals else []
-    return Built(model, adapter, list(report.converted), kept, report)
+    return Built(model, adapter, list(report.converted), kept, report, original)
+
+
+def snapshot_model(model: nn.Module) -> nn.Module:
+    """A frozen copy of the whole model, taken before `convert` (which moves the attention weights
+    into the new layers, so the copy must not share them): the distillation teacher."""
+    original = copy.deepcopy(model)
+    return original.requires_grad_(False).eval()
 
 
 def _same_choice_on_every_process(converted: list[int]) -> None:

@@ -7,12 +7,17 @@ flow matching (SANA, Wan): x_t = (1 − σ)·x0 + σ·ε, target ε − x0, σ a
     predicts its variance (out channels = 2 × in) is scored on the first half only;
 next-token cross-entropy (LMs).
 Randomness comes from a generator the trainer seeds per step, so a resumed run draws the same noise.
+
+`Distillation` mixes an objective with matching the original (unconverted) model, the teacher:
+diffusion: MSE to the teacher's prediction at the same noisy input and timestep (no labels needed);
+LMs: KL(teacher ‖ student) of the next-token distributions, the mean over the (unmasked) tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,8 @@ class Objective(Protocol):
 
 # call(model, noisy latents, timesteps, batch) → the model's prediction (B, C', ...)
 DenoiserCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict], torch.Tensor]
+# the context the teacher runs in (the trainer's autocast, so it computes at the training precision)
+TeacherContext = Callable[[], ContextManager]
 
 
 def _schedule_index(spec: ObjectiveSpec, u: torch.Tensor) -> torch.Tensor:
@@ -71,11 +78,18 @@ class FlowMatching:
         pred = self.call(model, xt, self.timesteps[idx].to(x0.device), batch)
         return pred.float(), (noise - x0).float()
 
-    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+    def draw(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(schedule indices, noise) for a training step on `batch`."""
         x0 = batch["latents"]
         idx = _sample_indices(self.spec, x0.shape[0], generator)
-        noise = torch.randn(x0.shape, generator=generator).to(x0)
-        return F.mse_loss(*self.prediction(model, batch, idx, noise))
+        return idx, torch.randn(x0.shape, generator=generator).to(x0)
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        return F.mse_loss(*self.prediction(model, batch, *self.draw(batch, generator)))
+
+    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
+               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+        return _denoiser_losses(self, model, teacher, batch, self.draw(batch, generator), context)
 
 
 @dataclass
@@ -105,11 +119,27 @@ class EpsPrediction:
             pred = pred[:, : x0.shape[1]]
         return pred.float(), noise.float()
 
-    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+    def draw(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(timesteps, noise) for a training step on `batch`."""
         x0 = batch["latents"]
         t = torch.randint(0, self.spec.num_train_timesteps, (x0.shape[0],), generator=generator)
-        noise = torch.randn(x0.shape, generator=generator).to(x0)
-        return F.mse_loss(*self.prediction(model, batch, t, noise))
+        return t, torch.randn(x0.shape, generator=generator).to(x0)
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        return F.mse_loss(*self.prediction(model, batch, *self.draw(batch, generator)))
+
+    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
+               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+        return _denoiser_losses(self, model, teacher, batch, self.draw(batch, generator), context)
+
+
+def _denoiser_losses(objective, model, teacher, batch, draw, context) -> tuple[torch.Tensor, torch.Tensor]:
+    """(task loss, distillation loss): the student's prediction against the objective's target and
+    against the teacher's prediction for the same noisy input at the same timestep (one draw)."""
+    pred, target = objective.prediction(model, batch, *draw)
+    with torch.no_grad(), context():
+        reference, _ = objective.prediction(teacher, batch, *draw)
+    return F.mse_loss(pred, target), F.mse_loss(pred, reference)
 
 
 @dataclass
@@ -117,3 +147,41 @@ class NextToken:
     def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
         ids = batch["input_ids"]
         return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
+               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, KL(teacher ‖ student)): the KL of the next-token distributions at every
+        position, the mean over the tokens whose `attention_mask` (when the batch has one) is set.
+        Both models are called as `loss` calls the model."""
+        ids = batch["input_ids"]
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        with torch.no_grad(), context():
+            reference = teacher(input_ids=ids, use_cache=False).logits
+        return out.loss, token_kl(reference, out.logits, batch.get("attention_mask"))
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, mask: torch.Tensor | None = None):
+    """KL(teacher ‖ student) per position, in float32, averaged over positions (those where `mask`
+    is nonzero, when given)."""
+    kl = F.kl_div(F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1),
+                  log_target=True, reduction="none").sum(-1)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass
+class Distillation:
+    """`weight` · the distillation loss + (1 − weight) · the task objective's own loss, from one
+    forward of the model and one of `teacher` (frozen, in eval mode) on the same inputs and draws.
+    Weight 1: the distillation loss alone (the task loss is left out, not multiplied by 0)."""
+
+    task: object  # FlowMatching, EpsPrediction or NextToken
+    teacher: nn.Module
+    weight: float
+    context: TeacherContext = contextlib.nullcontext
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        task, distill = self.task.losses(model, self.teacher, batch, generator, self.context)
+        return distill if self.weight == 1 else (1 - self.weight) * task + self.weight * distill

@@ -127,6 +127,9 @@ class ObjectiveSpec:
     flow_shift: float | None = None  # SANA / Wan; default: the family's (3.0)
     num_train_timesteps: int = 1000
     timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    # finetune stages: loss = (1 − distill) · the task loss + distill · the loss of matching the original
+    # (unconverted) model's outputs (objectives.Distillation); 0: the plain objective, 1: pure distillation
+    distill: float = 0.0
 
 
 @dataclass
@@ -375,6 +378,7 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if recipe.logging.every < 1:
         raise ctx.fail("logging.every", _line(raw, "logging", "every"), "must be ≥ 1")
     _check_optimizer(recipe, raw, ctx)
+    _check_distill(recipe, raw, ctx)
     _check_validation(recipe, raw, ctx)
 
 
@@ -437,6 +441,25 @@ def _check_optimizer(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if shift is not None and not (shift > 0 and math.isfinite(shift)):
         raise fail("objective.flow_shift", ("objective", "flow_shift"),
                    f"must be a finite number > 0 (e.g. 3.0), or null for the family's default; got {shift}")
+
+
+def _check_distill(recipe: Recipe, raw, ctx: _Ctx) -> None:
+    """objective.distill: a weight in [0, 1], and an original model to distil from: a base model the
+    run converts itself (`model.name`), whose finetune stages use it."""
+    distill = recipe.objective.distill
+    where = _line(raw, "objective", "distill")
+    if not (0.0 <= distill <= 1.0):  # NaN fails both comparisons
+        raise ctx.fail("objective.distill", where,
+                       f"must be a finite number in [0, 1] (0: no distillation, 1: distillation only); got {distill}")
+    if not distill:
+        return
+    if recipe.model.checkpoint:
+        raise ctx.fail("objective.distill", where,
+                       "distillation needs the original model as teacher: use model.name + conversion, "
+                       "not model.checkpoint (or set objective.distill: 0)")
+    if not any(stage.name == "finetune" for stage in recipe.stages):
+        raise ctx.fail("objective.distill", where,
+                       "applies to finetune stages and this recipe has none: add one, or set objective.distill: 0")
 
 
 def _check_validation(recipe: Recipe, raw, ctx: _Ctx) -> None:

@@ -30,6 +30,7 @@ from .data import build_dataset, check_data_path, loader
 from .errors import TrainError
 from .lora import add_lora, has_lora, remove_lora, save_adapter
 from .metrics import MetricsFile
+from .objectives import Distillation
 from .params import select_trainable
 from .recipe import Recipe, StageSpec
 from .transfer import AttentionTransfer
@@ -186,6 +187,12 @@ class Trainer:
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
         self.objective = self.built.adapter.objective(recipe.objective)
+        # what finetune stages minimise: with objective.distill, mixed with matching the original model (its
+        # forward at the training precision); validation and the probe keep the plain objective, comparable
+        self.step_objective = self.objective
+        if self.built.original is not None:
+            self.step_objective = Distillation(self.objective, self.built.original, recipe.objective.distill,
+                                               acc.autocast)
         base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
         with acc.main_process_first():  # one process encodes, the others read its cache
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
@@ -281,6 +288,8 @@ class Trainer:
         transfer = None
         if stage.name == "attention_transfer":
             transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
+        elif built.original is not None:  # the distillation teacher joins the model (never prepared nor saved)
+            built.original.to(acc.device, self.dtype)
         if step == 0:
             self._validate(0, stage.name, transfer)
         try:
@@ -333,7 +342,7 @@ class Trainer:
                         self.objective.loss(self.model, batch, generator)
                         loss = transfer.take_loss()
                     else:
-                        loss = self.objective.loss(self.model, batch, generator)
+                        loss = self.step_objective.loss(self.model, batch, generator)
                     acc.backward(loss)
                     if acc.sync_gradients and recipe.optimizer.grad_clip:
                         grad_norm = acc.clip_grad_norm_(params, recipe.optimizer.grad_clip)
