@@ -8,7 +8,7 @@ from pathlib import Path
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard, ModelCardData
 
 from .families import adapter_for_family
-from .io import read_mhla_config
+from .io import read_mhla_config, resolve_saved
 from .locations import HUB_ERRORS, HUB_ID, checkpoint_dir, one_line
 
 CARD_FILE = "README.md"
@@ -151,7 +151,7 @@ def push_to_hub(directory, repo_id: str, *, private: bool | None = None, token: 
                 commit_message: str = "Upload MHLA-converted model") -> str:
     """Create `repo_id` if needed and upload the checkpoint in `directory` with a generated model card,
     in one commit; returns the URL. The card is uploaded from memory: `directory` is left as it is."""
-    directory = Path(directory)
+    directory = resolve_saved(directory)
     card = str(model_card(directory, repo_id)).encode()
     files = sorted(p for p in directory.rglob("*") if p.is_file() and not _hidden_or_card(p.relative_to(directory)))
     operations = [CommitOperationAdd(p.relative_to(directory).as_posix(), _public_eval(p) if p.name == EVAL_FILE

@@ -30,19 +30,26 @@ throwaway init), redo the saved conversion plan, then load the state dict strict
 Format 1 (before converted classes) had the base model's config in config.json; format 2 had LM
 weights as model*.safetensors. Both still load, here and (format 2) through the Auto classes.
 Writes are atomic: everything goes to a hidden sibling `.NAME.tmp-*`, `mhla_config.json` last, and
-only a complete directory is renamed into place; a checkpoint it replaces is first renamed aside to
-`.NAME.old-*` and removed after. A failed save removes its staging folder. What a killed process
-leaves (one writer per target is assumed) is settled at the next load or save of that target: stale
-staging folders are removed (at the next save), and a checkpoint renamed aside is put back when the
-target is missing (a kill between the two renames), else removed.
+only a complete directory is moved into place. A checkpoint it replaces is swapped with it in one
+step where the system can (Linux `renameat2(RENAME_EXCHANGE)`), so the target is never missing, and
+removed after; elsewhere it is first renamed aside to `.NAME.old-*`. A failed save removes its staging
+folder. What a killed process leaves (one writer per target is assumed) is settled by whoever reads
+or saves that target next: a checkpoint renamed aside is put back when the target is missing (a kill
+between the two renames of the fallback), else removed, by every reader (`from_pretrained` and the
+converted classes' own, `load_model`, `read_mhla_config`, `mhla-convert sample`/`eval`/`push`,
+training's checkpoint discovery); stale staging folders are removed at the next save.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from glob import escape as glob_escape
@@ -264,31 +271,91 @@ def _aside_prefix(target: Path) -> str:
 
 
 def _leftovers(target: Path, prefix: str) -> list[Path]:
-    """Hidden siblings of `target` named `prefix*`, oldest first."""
+    """Hidden siblings of `target` named `prefix*`, oldest first (one that vanishes meanwhile is left out)."""
     if not target.parent.is_dir():
         return []
-    return sorted(target.parent.glob(glob_escape(prefix) + "*"), key=lambda p: p.stat().st_mtime)
+    found = []
+    for path in target.parent.glob(glob_escape(prefix) + "*"):
+        try:
+            found.append((path.stat().st_mtime, path))
+        except FileNotFoundError:  # settled by another reader meanwhile
+            continue
+    return [path for _, path in sorted(found)]
 
 
 def recover_interrupted_save(target) -> None:
-    """A replacing save renames the old checkpoint aside, then the new one into place: when a kill
-    came between the two, put the old one back (saying so); a copy left aside beside a present
-    target is removed."""
+    """A replacing save without an atomic swap renames the old checkpoint aside, then the new one
+    into place: when a kill came between the two, put the old one back (saying so); a copy left aside
+    beside a present target is removed. Every reader calls this before it looks at `target`; several
+    processes may race to do it."""
     target = Path(target)
     aside = _leftovers(target, _aside_prefix(target))
     if aside and not target.exists():
         restored = aside.pop()  # the newest one
-        restored.rename(target)
-        logger.warning("recovered %s from %s, left there by a save that was cut off", target, restored.name)
+        try:
+            restored.rename(target)
+        except OSError:
+            if not target.exists():  # not another reader's restore
+                raise
+        else:
+            logger.warning("recovered %s from %s, left there by a save that was cut off", target, restored.name)
     for old in aside:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def resolve_saved(path) -> Path:
+    """`path` as a reader should see it: a save of it, or of the folder holding it (a pipeline around
+    its transformer/), that was cut off between its two renames is settled first."""
+    path = Path(path).expanduser()
+    for candidate in (path, path.parent):
+        if not candidate.exists() and candidate.name:
+            recover_interrupted_save(candidate)
+    if path.exists():
+        recover_interrupted_save(path)  # a stale copy beside it
+    return path
+
+
+RENAME_EXCHANGE, AT_FDCWD = 2, -100  # linux/fs.h, fcntl.h
+NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+
+
+@functools.cache
+def _renameat2():
+    """glibc's renameat2 (2.28+), or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the two existing paths `a` and `b` in one atomic step; False (nothing moved) where the
+    system or its file system cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 def swap_into_place(staging: Path, target: Path) -> None:
-    """Rename the complete folder `staging` to `target`; a folder already there is renamed aside
-    first (`recover_interrupted_save` puts it back after a kill between the two renames) and removed."""
+    """Move the complete folder `staging` to `target`. A folder already there is swapped with it
+    atomically where the system can (so `target` is never missing), else renamed aside first
+    (`recover_interrupted_save` puts it back after a kill between the two renames); then removed."""
     if not target.exists():
         staging.rename(target)
+        return
+    if exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now the old folder; a kill first leaves it to the next sweep
         return
     old = target.with_name(f"{_aside_prefix(target)}{uuid.uuid4().hex[:8]}")
     target.rename(old)
@@ -303,7 +370,7 @@ def swap_into_place(staging: Path, target: Path) -> None:
 def read_mhla_config(directory) -> dict[str, Any]:
     """The conversion record: mhla_config.json, or the copy in config.json where only that came along
     (diffusers downloads a pipeline component's weights and config.json alone)."""
-    path = checkpoint_dir(directory) / MHLA_CONFIG
+    path = checkpoint_dir(resolve_saved(directory)) / MHLA_CONFIG
     if path.is_file():
         meta = read_json(path)
     else:
@@ -399,8 +466,7 @@ def _with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None) -> Path:
-    path = Path(dir_or_hub_id).expanduser()
-    recover_interrupted_save(path)
+    path = resolve_saved(dir_or_hub_id)
     if path.is_dir():
         return path / subfolder if subfolder else checkpoint_dir(path)
     if path.exists() or "/" not in str(dir_or_hub_id) or not HUB_ID.match(str(dir_or_hub_id)):

@@ -161,7 +161,9 @@ def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = N
             raise ValueError(f"{spec} is a built-in tiny model: it has no subfolders and needs no --config")
         return Source("tiny", spec)
     spec = aliases().get(spec, (None, spec))[1]
-    path = Path(spec).expanduser()
+    from .io import resolve_saved
+
+    path = resolve_saved(spec)  # a save cut off between its two renames is settled first
     if path.is_file():
         return _single_file_source(path, config, subfolder, revision)
     if config is not None:

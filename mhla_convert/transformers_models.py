@@ -13,6 +13,7 @@ unknown model type: a converted LM never loads as its base model through the Aut
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,10 @@ class ConvertedCausalLM:
     def from_pretrained(cls, *args, **kwargs):
         """transformers' loader, made strict: a weight the plan does not expect, or one it lacks, is an
         error rather than a warning over a partly random model."""
-        from .io import restore_buffer_dtypes
+        from .io import resolve_saved, restore_buffer_dtypes
 
+        if args and isinstance(args[0], (str, os.PathLike)):
+            resolve_saved(args[0])  # a save cut off between its two renames is settled first
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}

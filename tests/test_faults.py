@@ -1,7 +1,8 @@
-"""Crashes leave nothing wrong behind: a save killed by SIGKILL (mid-weights, or between the two
-renames of a replacing save) is recovered at the next load and swept at the next save; a training
-run killed mid-checkpoint resumes to the bit-identical result; an unreadable progress.json falls
-back to the checkpoint before it."""
+"""Crashes leave nothing wrong behind: a replacing save swaps the new checkpoint in atomically, so
+its target is never missing; a save killed by SIGKILL (mid-weights, right after the swap, or between
+the two renames of the fallback without an atomic swap) is recovered by every reader and swept at
+the next save; a training run killed mid-checkpoint resumes to the bit-identical result; an
+unreadable progress.json falls back to the checkpoint before it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mhla_convert import convert, from_pretrained, save_pretrained
+from mhla_convert import convert, evaluate, from_pretrained, load_model, save_pretrained
 from mhla_convert.families import adapter_for_model
+from mhla_convert.io import read_mhla_config
 from mhla_convert.train import TrainError, parse_recipe
 from mhla_convert.train.trainer import train
 
@@ -55,7 +57,15 @@ KILLED_SAVE = """
             real_save(dict(list(state.items())[:3]), directory, **kwargs)
             die()
         io.save_torch_state_dict = save
-    else:  # the old checkpoint is renamed aside, the new one not yet into place
+    elif where == "after-swap":  # the new checkpoint is in place, the old one not yet removed
+        real_exchange = io.exchange
+        def exchange(a, b):
+            if not real_exchange(a, b):
+                sys.exit(3)  # no atomic swap on this file system
+            die()
+        io.exchange = exchange
+    else:  # the fallback: the old checkpoint is renamed aside, the new one not yet into place
+        io.exchange = lambda a, b: False
         real_rename = Path.rename
         def rename(self, destination):
             real_rename(self, destination)
@@ -68,8 +78,22 @@ KILLED_SAVE = """
 """
 
 
-@pytest.mark.parametrize("where", ["weights", "between-renames"])
+def _can_swap(directory: Path) -> bool:
+    from mhla_convert.io import exchange
+
+    (directory / "a").mkdir()
+    (directory / "b").mkdir()
+    try:
+        return exchange(directory / "a", directory / "b")
+    finally:
+        (directory / "a").rmdir()
+        (directory / "b").rmdir()
+
+
+@pytest.mark.parametrize("where", ["weights", "after-swap", "between-renames"])
 def test_a_killed_save_is_recovered_on_load_and_swept_on_save(tiny, run_model, tmp_path, caplog, where):
+    if where == "after-swap" and not _can_swap(tmp_path):
+        pytest.skip("this file system has no atomic swap (RENAME_EXCHANGE)")
     model = tiny("tiny-dit")
     convert(model, layers=[1])
     target = save_pretrained(model, tmp_path / "ckpt")
@@ -79,15 +103,20 @@ def test_a_killed_save_is_recovered_on_load_and_swept_on_save(tiny, run_model, t
     assert any(name.startswith(".ckpt.tmp-") for name in left), left  # the killed save's staging folder
     if where == "between-renames":
         assert "ckpt" not in left and any(name.startswith(".ckpt.old-") for name in left), left
+    else:
+        assert "ckpt" in left, left  # never missing
     with caplog.at_level(logging.WARNING, logger="mhla_convert.io"):
         reloaded = from_pretrained(target)
-    assert reloaded.mhla_plan["layers"] == [1]  # the previous checkpoint, whole
     recovered = [r.getMessage() for r in caplog.records if "recovered" in r.getMessage()]
     assert len(recovered) == (where == "between-renames") and all("\n" not in m for m in recovered)
     assert "ckpt" in _listing(tmp_path)
-    torch.manual_seed(0)
-    inputs = adapter_for_model(model).example_inputs(model, (6, 6), 2)
-    assert torch.equal(run_model(reloaded, inputs), run_model(model, inputs))
+    if where == "after-swap":  # the save had completed: the new checkpoint (the old one waits for the sweep)
+        assert reloaded.mhla_plan["layers"] == [2, 3]
+    else:
+        assert reloaded.mhla_plan["layers"] == [1]  # the previous checkpoint, whole
+        torch.manual_seed(0)
+        inputs = adapter_for_model(model).example_inputs(model, (6, 6), 2)
+        assert torch.equal(run_model(reloaded, inputs), run_model(model, inputs))
 
     again = tiny("tiny-dit")
     convert(again, layers=[0])
@@ -137,6 +166,81 @@ def test_a_stale_copy_beside_a_present_checkpoint_is_removed_on_load(tiny, tmp_p
     with caplog.at_level(logging.WARNING, logger="mhla_convert.io"):
         from_pretrained(target)
     assert _listing(tmp_path) == ["ckpt"] and not caplog.records
+
+
+def test_a_replacing_save_never_leaves_its_target_missing(tiny, tmp_path, monkeypatch):
+    """Every move of a replacing save leaves a complete checkpoint at the target (one atomic swap)."""
+    import mhla_convert.io as io
+
+    if not _can_swap(tmp_path):
+        pytest.skip("this file system has no atomic swap (RENAME_EXCHANGE)")
+    model = tiny("tiny-dit")
+    convert(model, layers=[1])
+    target = save_pretrained(model, tmp_path / "ckpt")
+    seen = []
+
+    def watched(move):
+        def run(*args):
+            result = move(*args)
+            seen.append((target / "mhla_config.json").is_file())
+            return result
+        return run
+
+    monkeypatch.setattr(io, "exchange", watched(io.exchange))
+    monkeypatch.setattr(Path, "rename", watched(Path.rename))
+    convert(again := tiny("tiny-dit"), layers=[0])
+    save_pretrained(again, target)
+    assert seen == [True]  # one move: the swap
+    assert from_pretrained(target).mhla_plan["layers"] == [0] and _listing(tmp_path) == ["ckpt"]
+
+
+def _cut_off_between_renames(target: Path, tiny) -> None:
+    """What a replacing save without an atomic swap leaves when killed between its two renames: the
+    old checkpoint renamed aside, the new one complete in its staging folder, no target."""
+    new = tiny("tiny-dit")
+    convert(new, layers=[0])
+    save_pretrained(new, target.with_name(f".{target.name}.tmp-killed"))
+    target.rename(target.with_name(f".{target.name}.old-1234abcd"))
+
+
+def _sample(path: Path, out: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mhla_convert.cli import app
+
+    result = CliRunner().invoke(app, ["sample", str(path), "--out", str(out), "--steps", "1", "--device", "cpu"])
+    assert result.exit_code == 0 and out.is_file(), result.output
+
+
+READERS = {  # (the checkpoint, the model saved there, a folder for output) -> read it
+    "from_pretrained": lambda path, model, tmp: from_pretrained(path),
+    "converted class": lambda path, model, tmp: type(model).from_pretrained(path),
+    "load_model": lambda path, model, tmp: load_model(str(path)),
+    "read_mhla_config": lambda path, model, tmp: read_mhla_config(path),
+    "sample": lambda path, model, tmp: _sample(path, tmp / "x.png"),
+    "eval": lambda path, model, tmp: evaluate(str(path), "synthetic", batch_size=2, num_batches=1, timesteps=2,
+                                              samples=False, device="cpu"),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(READERS))
+@pytest.mark.parametrize("layout", ["checkpoint", "pipeline"])
+def test_every_reader_resolves_a_save_cut_off_between_its_renames(tiny, tmp_path, reader, layout):
+    model = tiny("tiny-dit")
+    convert(model, layers=[1])
+    if layout == "pipeline":  # a pipeline folder, saved as a whole, read through its transformer/
+        target = tmp_path / "pipe"
+        save_pretrained(model, target / "transformer")
+        (target / "model_index.json").write_text("{}")
+        path = target / "transformer"
+    else:
+        target = path = save_pretrained(model, tmp_path / "ckpt")
+    _cut_off_between_renames(target, tiny)
+    assert not target.exists()
+    READERS[reader](path, model, tmp_path)
+    assert (target / "mhla_config.json").is_file() or (target / "transformer" / "mhla_config.json").is_file()
+    assert not any(".old-" in name for name in _listing(tmp_path))
+    assert from_pretrained(path).mhla_plan["layers"] == [1]  # the checkpoint the save would have replaced
 
 
 # --- training --------------------------------------------------------------------------------------
@@ -199,6 +303,19 @@ def test_training_killed_mid_checkpoint_resumes_bit_identically(uninterrupted, t
     train(parse_recipe(RECIPE), out, **QUIET)  # resumes from step 4
     _assert_same(_weights(out), uninterrupted)
     assert _listing(root) == ["step-00000002", "step-00000004", "step-00000006"]  # the staging folder swept
+
+
+def test_checkpoint_discovery_resolves_a_save_cut_off_between_its_renames(tmp_path):
+    from mhla_convert import __version__
+    from mhla_convert.train import checkpoints
+
+    out = tmp_path / "run"
+    assert train(parse_recipe(RECIPE), out, stop_after=4, **QUIET) is None  # checkpoints at steps 2 and 4
+    root = out / "checkpoints"
+    (root / "step-00000004").rename(root / ".step-00000004.old-1234abcd")  # a re-save of step 4, cut off
+    found = checkpoints.latest(out, __version__)
+    assert found.path == root / "step-00000004" and found.step == 4
+    assert _listing(root) == ["step-00000002", "step-00000004"]
 
 
 def test_an_unreadable_progress_file_falls_back_to_the_checkpoint_before(uninterrupted, tmp_path, caplog):

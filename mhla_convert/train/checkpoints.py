@@ -1,7 +1,8 @@
 """Training checkpoints: Accelerate `save_state` into a hidden staging folder renamed into place (a
 crash mid-save never leaves a half checkpoint that looks complete), plus `progress.json` (step,
-stage, version), written last. What a killed save leaves is removed at the next save, and a
-checkpoint that cannot be read is passed over for the one before it."""
+stage, version), written last. What a killed save leaves is removed at the next save (a checkpoint
+a replacing save left renamed aside is put back by `latest` itself), and a checkpoint that cannot be
+read is passed over for the one before it."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def _read_progress(path: Path) -> dict:
 
 def latest(out: Path, version: str) -> Checkpoint | None:
     """The newest complete checkpoint of a run, refusing one written by another package version. One
-    whose progress.json cannot be read is passed over (with a warning) for the one before it."""
+    whose progress.json cannot be read is passed over (with a warning) for the one before it. A save
+    cut off between its two renames is settled first."""
+    recover(out)
     root = checkpoint_dir(out)
     found = sorted(root.glob(f"{PREFIX}*/{PROGRESS}")) if root.is_dir() else []
     unreadable = []
@@ -68,9 +71,9 @@ def latest(out: Path, version: str) -> Checkpoint | None:
 
 def recover(out: Path) -> None:
     """Put back a checkpoint that a replacing save, killed between its two renames, left renamed
-    aside (main process only, before `latest`)."""
+    aside (every process may call it at once)."""
     root = checkpoint_dir(out)
-    for aside in root.glob(f".{PREFIX}*.old-*") if root.is_dir() else []:
+    for aside in list(root.glob(f".{PREFIX}*.old-*")) if root.is_dir() else []:
         recover_interrupted_save(root / aside.name[1:].rpartition(".old-")[0])
 
 

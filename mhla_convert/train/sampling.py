@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..families import adapter_for_family
-from ..io import write_file_atomically
+from ..io import resolve_saved, write_file_atomically
 from ..ops.blocks import whole_number
 from ..placement import check_device
 from .errors import TrainError
@@ -99,7 +99,7 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
            image=None, lora_adapter=None, subfolder: str | None = None) -> Path:
     """`prompt` None: a default prompt (text-conditional families); class-conditional ones take
     `class_label` (default 0) instead. `lora_adapter`: a PEFT adapter folder merged in first."""
-    checkpoint, out = _in_subfolder(Path(checkpoint), subfolder), Path(out)
+    checkpoint, out = _in_subfolder(resolve_saved(checkpoint), subfolder), Path(out)
     meta, adapter, skeleton = _skeleton(checkpoint)
     check_sample_options(adapter, skeleton, out, prompt=prompt, class_label=class_label, steps=steps,
                          guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames,
@@ -108,7 +108,7 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = _load(checkpoint, device)
     if lora_adapter is not None:
-        model = load_adapter(model, lora_adapter)
+        model = load_adapter(model, resolve_saved(lora_adapter))
     out.parent.mkdir(parents=True, exist_ok=True)
     result = adapter.sample(model, meta.get("base_model"), DEFAULT_PROMPT if prompt is None else prompt,
                             device=device, seed=seed, steps=steps, guidance_scale=guidance_scale,
