@@ -314,7 +314,7 @@ def test_checkpoint_discovery_resolves_a_save_cut_off_between_its_renames(tmp_pa
     root = out / "checkpoints"
     (root / "step-00000004").rename(root / ".step-00000004.old-1234abcd")  # a re-save of step 4, cut off
     found = checkpoints.latest(out, __version__)
-    assert found.path == root / "step-00000004" and found.step == 4
+    assert found.path == root / "step-00000004" and found.step == 4 and found.guard["stage"] == 1
     assert _listing(root) == ["step-00000002", "step-00000004"]
 
 

@@ -3,13 +3,16 @@
 Both models are scored on the same held-out batches with the family's own training objective (and,
 for language models, perplexity, passkey retrieval and optionally lm-eval tasks; for diffusion
 models with a reference, a comparison of their samples). Everything is seeded, so two runs give
-identical numbers. Bad input is an `EvalError` raised before any model loads where it can be.
+identical numbers. Bad input is an `EvalError` raised before any model loads where it can be; a
+model whose outputs are inf/NaN (a diverged one) is an `EvalError` too, and no report is written.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from ..families import FamilyAdapter
+from ..finite import watch_outputs
 from ..placement import check_device
 from ..train.recipe import DataSpec, ObjectiveSpec
 from . import lm, report
@@ -58,6 +62,20 @@ def _compare_samples(model, reference, *, family, out_dir, num_samples, seed, st
     with tempfile.TemporaryDirectory() as scratch:  # no output directory: the sample files are not kept
         return compare_samples(model, reference, family=family, out_dir=Path(scratch), num_samples=num_samples,
                                seed=seed, steps=steps, device=device)
+
+
+def _refuse_non_finite(finite: bool, role: str, spec: ModelSpec, where: str) -> None:
+    if not finite:
+        raise EvalError(f"the {role} {describe(spec)} gives inf/NaN outputs {where}: it has diverged; evaluate an "
+                        "earlier checkpoint, or train it again with a lower learning rate")
+
+
+def _finite_score(score, model: nn.Module, role: str, spec: ModelSpec) -> dict[str, float]:
+    """`score(model)`, refused when the model's outputs (or its loss) are not finite."""
+    with watch_outputs(model) as watch:
+        metrics = score(model)
+    _refuse_non_finite(watch.finite and math.isfinite(metrics["loss"]), role, spec, "on the held-out data")
+    return metrics
 
 
 def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device, subfolders=(None, None)):
@@ -181,13 +199,17 @@ def evaluate(
                     passkey=lengths, trials=passkey_trials, tasks=list(tasks or []), task_limit=task_limit,
                     tokenizer_source=spec.components or components, batch_size=batch_size)
 
-    result: dict = {"model": score(loaded)}
+    result: dict = {"model": _finite_score(score, loaded, "model", model)}
     if ref is not None:
-        result["reference"] = score(ref)
+        result["reference"] = _finite_score(score, ref, "reference", reference)
         result["gap_percent"] = report.gaps(result["model"], result["reference"])
         if samples or (samples is None and not language_model):
-            comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out,
-                                          num_samples=num_samples, seed=seed, steps=sample_steps)
+            with ExitStack() as stack:
+                watches = [stack.enter_context(watch_outputs(m)) for m in (loaded, ref)]
+                comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out,
+                                              num_samples=num_samples, seed=seed, steps=sample_steps)
+            for watch, role, given in zip(watches, ("model", "reference"), (model, reference)):
+                _refuse_non_finite(watch.finite, role, given, "in its samples")
             if comparison:
                 result["comparison"] = {f"sample_{k}": float(v) for k, v in comparison.items()}
     param = next(loaded.parameters())

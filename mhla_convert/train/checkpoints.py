@@ -1,8 +1,10 @@
 """Training checkpoints: Accelerate `save_state` into a hidden staging folder renamed into place (a
 crash mid-save never leaves a half checkpoint that looks complete), plus `progress.json` (step,
-stage, version), written last. What a killed save leaves is removed at the next save (a checkpoint
-a replacing save left renamed aside is put back by `latest` itself), and a checkpoint that cannot be
-read is passed over for the one before it."""
+stage, version, and the divergence guard's reference values), written last. What a killed save
+leaves is removed at the next save (a checkpoint a replacing save left renamed aside is put back by
+`latest` itself), and a checkpoint that cannot be read is passed over for the one before it. The
+trainer saves a checkpoint only after the model passed its divergence checks, so the newest one is
+the last good one."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Checkpoint:
     path: Path
     step: int
     stage: int
+    guard: dict | None = None  # the divergence guard's state at this step (absent in older checkpoints)
 
 
 def checkpoint_dir(out: Path) -> Path:
@@ -60,7 +63,8 @@ def latest(out: Path, version: str) -> Checkpoint | None:
                 f"{path.parent} was written by mhla-convert {progress.get('version')}, this is {version}: "
                 "resume with that version, or start afresh with a new --out"
             )
-        return Checkpoint(path.parent, progress["step"], progress["stage"])
+        guard = progress.get("guard")
+        return Checkpoint(path.parent, progress["step"], progress["stage"], guard if isinstance(guard, dict) else None)
     if unreadable:
         raise TrainError(
             f"no readable checkpoint left in {root}: {unreadable[0]} cannot be read; "
@@ -77,7 +81,7 @@ def recover(out: Path) -> None:
         recover_interrupted_save(root / aside.name[1:].rpartition(".old-")[0])
 
 
-def save(accelerator, out: Path, step: int, stage: int, version: str, keep: int) -> Path:
+def save(accelerator, out: Path, step: int, stage: int, version: str, keep: int, guard: dict | None = None) -> Path:
     root = checkpoint_dir(out)
     final = root / f"{PREFIX}{step:08d}"
     staging = root / f".{final.name}.tmp-save"  # one name that every process can compute
@@ -88,7 +92,8 @@ def save(accelerator, out: Path, step: int, stage: int, version: str, keep: int)
     accelerator.save_state(str(staging))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (staging / PROGRESS).write_text(json.dumps({"step": step, "stage": stage, "version": version}))
+        progress = {"step": step, "stage": stage, "version": version, **({"guard": guard} if guard else {})}
+        (staging / PROGRESS).write_text(json.dumps(progress))
         swap_into_place(staging, final)
         for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
             _remove(old)

@@ -2,7 +2,8 @@
 around a converted transformer (PNG, or MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a
 first frame for I2V models), or `generate` for LMs. The other components come from the base model
 recorded in mhla_config.json, or are the tiny in-process ones for built-in tiny models. A LoRA
-adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first when given."""
+adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first when given. A model whose
+outputs are inf/NaN (a diverged one) is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..families import adapter_for_family
+from ..finite import watch_outputs
 from ..io import resolve_saved, write_file_atomically
 from ..ops.blocks import whole_number
 from ..placement import check_device
@@ -110,10 +112,19 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
     if lora_adapter is not None:
         model = load_adapter(model, resolve_saved(lora_adapter))
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = adapter.sample(model, meta.get("base_model"), DEFAULT_PROMPT if prompt is None else prompt,
-                            device=device, seed=seed, steps=steps, guidance_scale=guidance_scale,
-                            class_label=class_label or 0, height=height, width=width, num_frames=num_frames,
-                            max_new_tokens=max_new_tokens, image=first_frame)
+    with watch_outputs(model) as watch:
+        try:
+            result = adapter.sample(model, meta.get("base_model"), DEFAULT_PROMPT if prompt is None else prompt,
+                                    device=device, seed=seed, steps=steps, guidance_scale=guidance_scale,
+                                    class_label=class_label or 0, height=height, width=width, num_frames=num_frames,
+                                    max_new_tokens=max_new_tokens, image=first_frame)
+        except (RuntimeError, ValueError):  # what a pipeline may make of inf/NaN (sampling from NaN probabilities)
+            if watch.finite:
+                raise
+    if not watch.finite:
+        with_adapter = f" with the adapter {lora_adapter}" if lora_adapter is not None else ""
+        raise TrainError(f"{checkpoint}{with_adapter} gives inf/NaN outputs, so there is no sample to write: the "
+                         "model has diverged; sample an earlier checkpoint, or train again with a lower learning rate")
     if adapter.sample_kind == "text":
         out = write_file_atomically(out if out.suffix else out.with_suffix(".txt"), lambda path: path.write_text(
             result + "\n"))

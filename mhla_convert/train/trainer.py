@@ -4,7 +4,8 @@
 Per stage: choose the trainable parameters, build AdamW and the LR schedule, prepare, then step.
 After every optimizer step the mixing matrices are clipped to [0, 1]. Checkpoints carry the model,
 optimizer, schedule and RNG state; batches and noise depend only on (seed, stage, step), so a
-resumed run ends with the same weights as an uninterrupted one.
+resumed run ends with the same weights as an uninterrupted one. A run whose model diverges stops
+before it saves anything from it (divergence.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..convert import PLAN_ATTR
+from ..finite import watch_outputs
 from ..locations import SOURCE_ATTR
 from ..mixing import clamp_mixing_
 from . import checkpoints
 from .build import build_model
 from .data import build_dataset, check_data_path, loader
+from .divergence import StageGuard, diverged_message
 from .errors import TrainError
 from .lora import add_lora, has_lora, remove_lora, save_adapter
 from .metrics import MetricsFile
@@ -198,6 +201,9 @@ class Trainer:
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
                                          components=recipe.data.components or base)
         self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
+        # the fixed batch whose outputs must stay finite (divergence.py): the first training examples
+        self.probe = self.dataset[list(range(min(len(self.dataset), recipe.data.batch_size)))]
+        self.guard: StageGuard | None = None
         self.stage_best, self.watched = StageBest(), None
         acc.register_for_checkpointing(self.stage_best)
         self.samples = self._sample_writer(model, recipe.data.components or base)
@@ -280,11 +286,16 @@ class Trainer:
         # a transfer stage that ends above its best held-out loss goes back to that best (StageBest)
         watched = stage.name == "attention_transfer" and self.heldout is not None and not self.sharded
         self.watched = (params, end) if watched else None
+        self.guard = None
         if self.resume_from and begin < self.resume_from.step <= end:
             acc.load_state(str(self.resume_from.path))
             step = self.resume_from.step
+            self.guard = StageGuard.from_state(self.resume_from.guard, index)
             if acc.is_main_process:
                 self.log(f"resumed from {self.resume_from.path} (step {step})")
+        if self.guard is None:  # the stage starts here (or an older checkpoint recorded no guard)
+            _, norm, numel = self._weight_state(params)
+            self.guard = StageGuard(index, norm, numel)
         transfer = None
         if stage.name == "attention_transfer":
             transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
@@ -331,71 +342,119 @@ class Trainer:
             dynamic_ncols=True,
         )
         self.model.train()
-        while step < end:
-            tic, losses, grad_norm = time.perf_counter(), [], None
-            for micro in range(accum):
-                batch = self._batch(next(batches))
-                with acc.accumulate(self.model):
-                    generator = _step_generator(recipe.seed, index, step, micro, acc.process_index)
-                    if transfer:
-                        transfer.take_errors()
-                        self.objective.loss(self.model, batch, generator)
-                        loss = transfer.take_loss()
-                    else:
-                        loss = self.step_objective.loss(self.model, batch, generator)
-                    acc.backward(loss)
-                    if acc.sync_gradients and recipe.optimizer.grad_clip:
-                        grad_norm = acc.clip_grad_norm_(params, recipe.optimizer.grad_clip)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.detach().float())
-            loss = acc.gather(torch.stack(losses).mean()[None]).mean().item()
-            if not math.isfinite(loss):
-                raise self._diverged(f"loss became {loss}", step + 1, stage)
-            if not self._all_finite(params):
-                raise self._diverged("the trained weights became inf/NaN", step + 1, stage)
-            scheduler.step()
-            clamp_mixing_(model)
-            step += 1
-            lr = scheduler.get_last_lr()[0]
-            throughput = samples_per_step / max(time.perf_counter() - tic, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{throughput:.1f}")
-            if step % recipe.logging.every == 0 or step == end:
-                record = {"step": step, "stage": stage.name, "loss": loss, "lr": lr, "samples_per_s": throughput}
-                if grad_norm is not None:
-                    record["grad_norm"] = float(grad_norm)
-                if acc.is_main_process:
-                    self.metrics.write(record)
-                acc.log({f"{stage.name}/{k}": v for k, v in record.items() if k not in ("step", "stage")}, step=step)
-            every = recipe.validation.every if recipe.validation else 0
-            if (every and step % every == 0) or step == end:
-                self._validate(step, stage.name, transfer)
-            if (recipe.checkpoint_every and step % recipe.checkpoint_every == 0) or step == end:
-                checkpoints.save(acc, self.out, step, index, __version__, recipe.keep_checkpoints)
-            if stop_after is not None and step >= stop_after:
-                break
-        bar.close()
+        try:  # a stopped run's error goes on a line of its own, after the bar
+            while step < end:
+                tic, losses, grad_norm = time.perf_counter(), [], None
+                for micro in range(accum):
+                    batch = self._batch(next(batches))
+                    with acc.accumulate(self.model):
+                        generator = _step_generator(recipe.seed, index, step, micro, acc.process_index)
+                        if transfer:
+                            transfer.take_errors()
+                            self.objective.loss(self.model, batch, generator)
+                            loss = transfer.take_loss()
+                        else:
+                            loss = self.step_objective.loss(self.model, batch, generator)
+                        acc.backward(loss)
+                        if acc.sync_gradients and recipe.optimizer.grad_clip:
+                            grad_norm = acc.clip_grad_norm_(params, recipe.optimizer.grad_clip)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    losses.append(loss.detach().float())
+                loss = acc.gather(torch.stack(losses).mean()[None]).mean().item()
+                if not math.isfinite(loss):
+                    raise self._diverged(f"loss became {loss}", step + 1, stage)
+                if problem := self.guard.loss_problem(loss):
+                    raise self._diverged(problem, step + 1, stage)
+                finite, norm, _ = self._weight_state(params)
+                if not finite:
+                    raise self._diverged("the trained weights became inf/NaN", step + 1, stage)
+                if problem := self.guard.weight_problem(norm):
+                    raise self._diverged(problem, step + 1, stage)
+                scheduler.step()
+                clamp_mixing_(model)
+                step += 1
+                lr = scheduler.get_last_lr()[0]
+                throughput = samples_per_step / max(time.perf_counter() - tic, 1e-9)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{throughput:.1f}")
+                if step % recipe.logging.every == 0 or step == end:
+                    record = {"step": step, "stage": stage.name, "loss": loss, "lr": lr, "samples_per_s": throughput}
+                    if grad_norm is not None:
+                        record["grad_norm"] = float(grad_norm)
+                    if acc.is_main_process:
+                        self.metrics.write(record)
+                    acc.log({f"{stage.name}/{k}": v for k, v in record.items() if k not in ("step", "stage")},
+                            step=step)
+                every = recipe.validation.every if recipe.validation else 0
+                validate = (every and step % every == 0) or step == end
+                save = (recipe.checkpoint_every and step % recipe.checkpoint_every == 0) or step == end
+                if validate or save:  # nothing is saved (checkpoint, best model) from a diverged model
+                    self._probe(step, stage, transfer)
+                if validate:
+                    self._validate(step, stage.name, transfer)
+                if save:
+                    checkpoints.save(acc, self.out, step, index, __version__, recipe.keep_checkpoints,
+                                     self.guard.state())
+                if stop_after is not None and step >= stop_after:
+                    break
+        finally:
+            bar.close()
         return step
 
-    def _all_finite(self, params: list) -> bool:
-        """Whether every trained weight is finite on every process (one small gather a step); FSDP
-        parameters are checked shard by shard."""
+    def _weight_state(self, params: list) -> tuple[bool, float, int]:
+        """(every trained weight finite, their L2 norm, their count) over every process, in one small
+        gather; FSDP parameters are counted shard by shard, replicated ones once."""
         from torch.distributed.tensor import DTensor
 
-        local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
-        peaks = [torch.linalg.vector_norm(t, float("inf")).float() for t in local if t.numel()]  # no weight copy
-        finite = torch.stack(peaks).isfinite().all() if peaks else torch.tensor(True)
-        return bool(self.accelerator.gather(finite.to(self.accelerator.device)[None]).all())
+        local = [t for t in ((p.to_local() if isinstance(p, DTensor) else p).detach() for p in params) if t.numel()]
+        device = self.accelerator.device
+        if local:  # no weight copy: one peak and one norm per tensor
+            peak = torch.stack([torch.linalg.vector_norm(t, float("inf")).float() for t in local]).max()
+            square = torch.stack([torch.linalg.vector_norm(t).double() for t in local]).square().sum()
+        else:
+            peak, square = torch.zeros((), device=device), torch.zeros((), dtype=torch.float64, device=device)
+        count = torch.tensor(float(sum(t.numel() for t in local)), dtype=torch.float64, device=device)
+        gathered = self.accelerator.gather(torch.stack([peak.double().to(device), square.to(device), count])[None])
+        finite = bool(gathered[:, 0].isfinite().all())
+        totals = gathered[:, 1:].sum(0) if self.sharded else gathered[0, 1:]
+        return finite, math.sqrt(float(totals[0])), int(totals[1])
+
+    @torch.no_grad()
+    def _probe(self, step: int, stage: StageSpec, transfer: AttentionTransfer | None) -> None:
+        """One forward on the fixed probe batch (every process: collective under FSDP); stop the run
+        when the model's outputs or the loss on it are not finite."""
+        acc = self.accelerator
+        model = acc.unwrap_model(self.model)
+        was_training = self.model.training
+        if transfer:
+            transfer.detach()
+        self.model.eval()
+        try:
+            with watch_outputs(model) as watch:
+                loss = self.objective.loss(self.model, self._batch(self.probe), torch.Generator().manual_seed(
+                    self.recipe.seed))
+            finite = torch.tensor(watch.finite and bool(torch.isfinite(loss)), device=acc.device)
+        finally:
+            self.model.train(was_training)
+            if transfer:
+                transfer.attach()
+        if not bool(acc.gather(finite[None]).all()):
+            raise self._diverged("the model's outputs on the probe batch became inf/NaN", step, stage)
 
     def _diverged(self, what: str, step: int, stage: StageSpec) -> TrainError:
-        """The run stops before anything (checkpoint, best or final model) is written from bad weights."""
+        """The run stops before anything (checkpoint, best or final model) is written from bad weights.
+        Every checkpoint passed these checks when it was saved, so the newest is the last good one."""
+        recipe = self.recipe
         kept = checkpoints.latest(self.out, __version__)
-        return TrainError(
-            f"{what} at step {step} ({stage.name}); stopped. "
-            + (f"Last good checkpoint: {kept.path}. " if kept else "No checkpoint was written yet. ")
-            + "Lower the learning rate, set optimizer.grad_clip, or use precision: bf16 instead of fp16."
-        )
+        lr = stage.lr or recipe.optimizer.lr
+        key = f"stages[{self.guard.stage}].lr" if stage.lr and self.guard else "optimizer.lr"
+        fixes = [f"lower the learning rate ({key}: {lr:g})"]
+        if not recipe.optimizer.grad_clip:
+            fixes.append("set optimizer.grad_clip: 1.0")
+        if recipe.precision == "fp16":
+            fixes.append("use precision: bf16 instead of fp16")
+        return TrainError(diverged_message(what, step, stage.name, kept.path if kept else None, fixes))
 
     def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
         """Held-out loss (and samples) of the model as it stands (the transfer hooks, which hand the
@@ -489,6 +548,7 @@ class Trainer:
 
     def _finish(self) -> Path:
         acc = self.accelerator
+        self._probe(self.recipe.total_steps, self.recipe.stages[-1], None)  # the final model is never a diverged one
         acc.wait_for_everyone()
         target = self.out / "model"
         model = self._gathered_model()
