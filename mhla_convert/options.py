@@ -4,7 +4,7 @@ attention kind, checked and combined into one `MHLAConfig` (shared by every conv
 attention="mhla" (default): the family's block layout (non-causal) or chunk window (causal) with
     locality-initialised mixing.
 attention="linear": plain linear attention, the baseline MHLA improves on. One block per grid axis
-    (M = 1) for non-causal families; one chunk-distance weight (window 1) for causal ones, which
+    (M = 1, no exact region) for non-causal families; one chunk-distance weight (window 1) for causal ones, which
     gives every earlier chunk the same weight, i.e. causal linear attention (no exact chunks). A single mixing weight
     cancels out of the normalised output, so no other option changes.
 attention="local": the host's softmax attention cut to the exact region of an MHLA conversion with the same options
@@ -70,7 +70,10 @@ def _linear_attention(adapter, model, blocks, options: dict) -> tuple[tuple[int,
             f"attention='linear' is MHLA with one block ({'x'.join(map(str, ones))}); "
             f"drop blocks={'x'.join(map(str, blocks))} or use attention='mhla'"
         )
-    return ones, {**options, "mixing_init": options.get("mixing_init", "uniform")}
+    if options.get("exact_radius") is not None:
+        raise ValueError(f"attention='linear' reads nothing exactly; drop exact_radius={options['exact_radius']} or "
+                         "use attention='mhla'")
+    return ones, {**options, "exact_radius": None, "mixing_init": options.get("mixing_init", "uniform")}
 
 
 def _local_attention(adapter, options: dict) -> dict:
