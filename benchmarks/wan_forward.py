@@ -1,11 +1,11 @@
 """Whole-transformer forward latency: a Wan2.1-1.3B-shaped `WanTransformer3DModel` (real config,
-random weights) at 81x480x800 (31,500 tokens), with --model sana a SANA-1600M-shaped
-`SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, or with --model dit a DiT-XL/2-shaped
-`DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens); original vs converted to MHLA with the library's own
-`convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
+random weights) at 81x480x800 (31,500 tokens; --resolution 720p: 81x720x1280, 75,600 tokens), with --model sana a
+SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, or with --model dit a
+DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens); original vs converted to MHLA with the
+library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
     python benchmarks/wan_forward.py [--model wan|sana|dit|wan-layer] [--backend auto|torch|triton] [--compile]
-        [--mode default|reduce-overhead] [--kernels N]
+        [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
@@ -62,6 +62,7 @@ class Setup:
     mode: str = "default"
     tiny: bool = False
     kernels: int = 0
+    resolution: str = "480p"
 
     @property
     def device(self) -> str:
@@ -182,6 +183,9 @@ def bench_wan(setup: Setup):
     layers, cfg = model.config.num_layers, model.config
     if setup.tiny:
         title, x, blocks = "tiny Wan, 3x4x4 tokens", setup.randn(1, cfg.in_channels, 3, 8, 8), (3, 2, 2)
+    elif setup.resolution == "720p":
+        title = "Wan2.1-1.3B-shaped, 81x720x1280 -> 21x45x80 = 75,600 tokens"
+        x, blocks = setup.randn(1, 16, 21, 90, 160), WAN_BLOCKS
     else:
         title = "Wan2.1-1.3B-shaped, 81x480x800 -> 21x30x50 = 31,500 tokens"
         x, blocks = setup.randn(1, 16, 21, 60, 100), WAN_BLOCKS
@@ -192,7 +196,9 @@ def bench_wan(setup: Setup):
     kept_text = f"0,3,...,{kept[-1]}" if len(kept) > 2 else ",".join(map(str, kept))
     variants = {
         "original (SDPA)": model,
-        f"all {layers} self-attentions -> MHLA ({setup.backend}), M={m}": _converted(model, setup, blocks=blocks),
+        f"all {layers} self-attentions -> MHLA ({setup.backend}), M={m}, own block exact":
+            _converted(model, setup, blocks=blocks),
+        f"all {layers} -> MHLA, no exact region": _converted(model, setup, blocks=blocks, exact_radius=None),
         f"{len(hybrid)} of {layers} -> MHLA ({setup.backend}), softmax at {kept_text}":
             _converted(model, setup, blocks=blocks, layers=hybrid),
     }
@@ -313,6 +319,8 @@ def main(argv=None) -> str:
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile each variant and print its N kernels with the most time per forward")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana, dit)")
+    ap.add_argument("--resolution", default="480p", choices=("480p", "720p"),
+                    help="--model wan: 81 frames at 480x800 (31,500 tokens) or 720x1280 (75,600 tokens)")
     args = ap.parse_args(argv)
     if args.mode != "default" and (not args.compile or args.tiny):
         ap.error("--mode needs --compile, on the GPU (--tiny compiles with the aot_eager backend)")
@@ -322,7 +330,8 @@ def main(argv=None) -> str:
         ap.error(f"--kernels must be a count ≥ 0; got {args.kernels}")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
-    setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny, kernels=args.kernels)
+    setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny, kernels=args.kernels,
+                  resolution=args.resolution)
     threads = torch.get_num_threads()
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
