@@ -147,3 +147,25 @@ def test_stage_best_survives_a_resume(tmp_path, monkeypatch):
     resumed, _ = _transfer_run(tmp_path, monkeypatch, losses, "cut", start=6)  # resumes at step 4
     for a, b in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("losses, restored", [((5.0, 6.0), True), ((5.0, 4.0), False)], ids=["worse", "better"])
+def test_transfer_without_validation_is_judged_on_training_batches(tmp_path, monkeypatch, losses, restored):
+    """No validation section: a transfer stage that ends above its start on the first training batches goes back
+    to its start (a `transfer_check_loss` row), one that ends below keeps its weights."""
+    seen = []
+
+    def scripted(self, model, **kw):
+        assert len(self.dataset) >= self.batch_size  # the training data, not a held-out set
+        seen.append([p.detach().clone() for p in model.parameters() if p.requires_grad])
+        return losses[len(seen) - 1]
+
+    monkeypatch.setattr(HeldOut, "loss", scripted)
+    recipe = _recipe("stages=[{name: attention_transfer, steps: 4, lr: 0.01}]")
+    trainer = Trainer(recipe, tmp_path / "run", log=lambda *_: None)
+    trainer.run()
+    final = [p.detach() for p in trainer.model.parameters() if p.requires_grad]
+    assert len(seen) == 2 and not all(torch.equal(a, b) for a, b in zip(seen[0], seen[1]))  # the stage trained
+    assert all(torch.equal(a, b) for a, b in zip(final, seen[0 if restored else 1]))
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert ("transfer_check_loss" in rows[-1]) == restored and not any("validation_loss" in r for r in rows)

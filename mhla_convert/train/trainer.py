@@ -93,6 +93,7 @@ def _refuse_unhonoured_precision(acc, recipe: Recipe) -> None:
     )
 
 
+TRANSFER_CHECK_BATCHES = 2  # without validation: training batches a transfer stage must not end worse on
 RUN_LENGTH_KEYS = re.compile(r"stages\[\d+\]\.steps|checkpoint_every|keep_checkpoints|logging\..*")
 
 
@@ -201,6 +202,9 @@ class Trainer:
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
                                          components=recipe.data.components or base)
         self.heldout, self.best = self._heldout(model, recipe.data.components or base), BestModel(self.out)
+        # without validation, attention transfer is judged on the task loss of the first training batches
+        self.transfer_check = HeldOut(self.dataset, self.objective, recipe.data.batch_size, TRANSFER_CHECK_BATCHES,
+                                      recipe.seed)
         # the fixed batch whose outputs must stay finite (divergence.py): the first training examples
         self.probe = self.dataset[list(range(min(len(self.dataset), recipe.data.batch_size)))]
         self.guard: StageGuard | None = None
@@ -283,8 +287,9 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded parameters
         step = begin
         self.stage_best.reset()
-        # a transfer stage that ends above its best held-out loss goes back to that best (StageBest)
-        watched = stage.name == "attention_transfer" and self.heldout is not None and not self.sharded
+        # a transfer stage that ends above its best held-out loss (without validation: its loss on the first
+        # training batches, `transfer_check`) goes back to that best (StageBest)
+        watched = stage.name == "attention_transfer" and not self.sharded
         self.watched = (params, end) if watched else None
         self.guard = None
         if self.resume_from and begin < self.resume_from.step <= end:
@@ -301,8 +306,8 @@ class Trainer:
             transfer = AttentionTransfer(built.students(), built.teachers).to(acc.device).attach()
         elif built.original is not None:  # the distillation teacher joins the model (never prepared nor saved)
             built.original.to(acc.device, self.dtype)
-        if step == 0:
-            self._validate(0, stage.name, transfer)
+        if step == 0 or (watched and step == begin):
+            self._validate(step, stage.name, transfer)
         try:
             return self._steps(index, stage, step, end, model, optimizer, scheduler, params, transfer, stop_after)
         finally:
@@ -459,9 +464,11 @@ class Trainer:
     def _validate(self, step: int, stage: str, transfer: AttentionTransfer | None) -> None:
         """Held-out loss (and samples) of the model as it stands (the transfer hooks, which hand the
         teachers' outputs downstream, are lifted meanwhile); saves the model when it is the best so far."""
-        if self.heldout is None:
-            return
         acc = self.accelerator
+        if self.heldout is None:
+            if self.watched is not None:
+                self._back_to_stage_best(step, stage, self._loss_on(self.transfer_check, transfer), "transfer_check")
+            return
         if transfer:
             transfer.detach()
         try:
@@ -486,17 +493,29 @@ class Trainer:
             if acc.is_main_process:
                 self.best.note(step, stage, loss, directory)
         if self.watched is not None:
-            self._back_to_stage_best(step, stage, loss)
+            self._back_to_stage_best(step, stage, loss, "validation")
 
-    def _back_to_stage_best(self, step: int, stage: str, loss: float) -> None:
+    def _loss_on(self, held: HeldOut, transfer: AttentionTransfer | None) -> float:
+        """`held`'s loss of the model as it stands (the transfer hooks lifted meanwhile)."""
+        acc = self.accelerator
+        if transfer:
+            transfer.detach()
+        try:
+            return held.loss(self.model, device=acc.device, dtype=self.dtype, rank=acc.process_index,
+                             world=acc.num_processes, gather=acc.gather)
+        finally:
+            if transfer:
+                transfer.attach()
+
+    def _back_to_stage_best(self, step: int, stage: str, loss: float, measure: str) -> None:
         params, end = self.watched
         self.stage_best.offer(step, loss, params)
         if step == end and self.stage_best.loss < loss:
             self.stage_best.restore(params)
             if self.accelerator.is_main_process:
                 best, at = self.stage_best.loss, self.stage_best.step
-                self.metrics.write({"step": step, "stage": stage, "validation_loss": best, "restored_step": at})
-                self.log(f"{stage} ended at validation loss {loss:.6g}, above its best {best:.6g} (step {at}): "
+                self.metrics.write({"step": step, "stage": stage, f"{measure}_loss": best, "restored_step": at})
+                self.log(f"{stage} ended at {measure} loss {loss:.6g}, above its best {best:.6g} (step {at}): "
                          f"the trained weights go back to step {at}")
 
     def _save_model(self, target: Path, *, merge_lora: bool) -> None:
