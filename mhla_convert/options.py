@@ -18,7 +18,7 @@ import dataclasses
 import re
 
 from .layer import MHLAConfig
-from .ops.blocks import as_axes
+from .ops.blocks import as_axes, whole_number
 from .plan import check_selection, parse_layers
 
 ATTENTIONS = ("mhla", "linear", "local")
@@ -36,13 +36,63 @@ def parse_blocks(blocks) -> tuple[int, ...] | None:
     return as_axes("blocks", blocks)
 
 
-def check_mhla_options(mhla_options: dict) -> None:
-    """Refuse unknown MHLAConfig fields and bad values (types, ranges, registry names) without a model."""
+def check_mhla_option(name: str, value) -> None:
+    """One MHLA option's own value (type, range, registry name), whatever the other options are."""
+    if name not in USER_OPTIONS:
+        raise ValueError(f"unknown MHLA options {[name]}; allowed: {list(USER_OPTIONS)}")
+    context = {}
+    if name == "exact_chunks" and whole_number(value) is not None and value > 0:  # legal on a causal layer
+        context = {"causal": True, "window": value + 1}
+    MHLAConfig(**{**context, name: value})
+
+
+def check_mhla_options(mhla_options: dict, *, causal: bool | None = None, defaults: dict | None = None,
+                       family: str | None = None) -> None:
+    """Refuse unknown MHLAConfig fields, bad values (types, ranges, registry names) and options that contradict
+    each other, without a model.
+
+    `causal`, `defaults` and `family` are the family's (`adapter.causal`, `adapter.default_options(model)`,
+    `adapter.name`) where known: the options are then checked as the conversion combines them, each given one
+    over the family's default, and a conflict names the default it meets. Where the family or its defaults
+    are not known yet (a recipe or the CLI before the model is), only what the given options fix is checked;
+    the conversion checks the rest against the family (`resolve_config`)."""
     unknown = sorted(set(mhla_options) - set(USER_OPTIONS))
     if unknown:
         raise ValueError(f"unknown MHLA options {unknown}; allowed: {list(USER_OPTIONS)}")
-    # causal or not is the family's: exact chunks are checked here as if causal, against the family later
-    MHLAConfig(**{"causal": bool(mhla_options.get("exact_chunks")), **mhla_options})
+    for name, value in mhla_options.items():
+        check_mhla_option(name, value)
+    options = {**(defaults or {}), **mhla_options}
+
+    def said(name: str) -> str:  # the value the conversion uses, and whose it is when the caller did not set it
+        whose = "" if name in mhla_options else f" ({family or 'the family'}'s default)" if name in options else \
+            " (the default)"
+        return f"{name}={options.get(name, getattr(MHLAConfig, name))}{whose}"
+
+    chunks, radius = options.get("exact_chunks") or 0, options.get("exact_radius")
+    if chunks and causal is False:
+        raise ValueError(f"{said('exact_chunks')} is for causal models (LMs); {family or 'this model'} is not "
+                         "causal and reads its nearest blocks exactly with exact_radius: drop exact_chunks")
+    if radius is not None and causal:
+        raise ValueError(f"{said('exact_radius')} is for non-causal models; {family or 'this model'} is causal and "
+                         "reads its nearest chunks exactly with exact_chunks: drop exact_radius")
+    if chunks and radius is not None:
+        raise ValueError(f"{said('exact_chunks')} is for causal models and {said('exact_radius')} for non-causal "
+                         "ones: set one of them")
+    if (chunks or radius is not None) and not options.get("normalize", True):
+        region = "exact_chunks" if chunks else "exact_radius"
+        off = "exact_chunks=0" if chunks else "exact_radius=null"
+        raise ValueError(f"{said(region)} needs normalize=true (the exact region and the linear summaries share "
+                         f"one normaliser): set {off} or drop normalize=false")
+    window_known = "window" in mhla_options or defaults is not None
+    window = options.get("window", MHLAConfig.window)
+    if chunks and window_known and whole_number(window) is not None and chunks >= window:
+        raise ValueError(f"{said('exact_chunks')} must be < {said('window')}: the exact chunks are the nearest of "
+                         f"the window's; set exact_chunks to at most {window - 1} or window to at least {chunks + 1}")
+    if causal is None:  # the family's, later: checked here as either kind may be
+        causal = bool(chunks)
+    if not window_known and chunks:
+        options["window"] = chunks + 1
+    MHLAConfig(**{**options, "causal": causal})
 
 
 def check_options(*, ratio=1.0, strategy="spread", layers=None, blocks=None, attention="mhla", **mhla_options) -> None:
@@ -98,7 +148,9 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
             f"{adapter.name} is causal: its blocks are chunks of chunk_size tokens, so blocks= does not apply")
     if attention == "linear":
         blocks, mhla_options = _linear_attention(adapter, model, blocks, mhla_options)
-    options = {**adapter.default_options(model), **mhla_options}
+    defaults = adapter.default_options(model)
+    check_mhla_options(mhla_options, causal=adapter.causal, defaults=defaults, family=adapter.name)
+    options = {**defaults, **mhla_options}
     if attention == "local":
         options = _local_attention(adapter, options)
     if not adapter.causal:

@@ -128,6 +128,11 @@ CONVERT_API = [
     ("tiny-llama", dict(window=-1), "window must be a whole number ≥ 1"),
     ("tiny-llama", dict(blocks=(2,)), "llama is causal"),
     ("tiny-llama", dict(attention="linear", window=4), "attention='linear' is MHLA with window 1"),
+    ("tiny-llama", dict(exact_chunks=8), "exact_chunks=8 must be < window=8 (llama's default)"),
+    ("tiny-llama", dict(window=2), "exact_chunks=2 (llama's default) must be < window=2"),
+    ("tiny-llama", dict(exact_radius=1), "exact_radius=1 is for non-causal models; llama is causal"),
+    ("tiny-dit", dict(exact_chunks=1), "exact_chunks=1 is for causal models (LMs); dit is not causal"),
+    ("tiny-dit", dict(normalize=False), "exact_radius=1 (dit's default) needs normalize=true"),
 ]
 
 
@@ -135,7 +140,7 @@ CONVERT_API = [
 def test_convert_api_refuses_and_leaves_the_model_alone(name, options, message):
     model = tiny_model(name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         convert(model, **options)
     assert not getattr(model, "mhla_plan", None) and not mhla_convert.mhla_layers(model)
     after = model.state_dict()

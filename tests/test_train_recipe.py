@@ -125,3 +125,68 @@ def test_optimizer_values_that_would_train_wrong_are_refused(override, expected)
 )
 def test_optimizer_edge_values_are_accepted(override):
     parse_recipe(GOOD, "r.yaml", [override])
+
+
+# --- exact chunks against the window the conversion uses ------------------------------------------
+
+TINY_LLAMA = Path(__file__).parent.parent / "recipes" / "tiny-llama.yaml"  # options: {chunk_size: 8, window: 4}
+
+
+def _resolved(recipe):
+    """The MHLAConfig the recipe's conversion resolves to on its model (on the meta device: no weights)."""
+    from mhla_convert.convert import check_conversion
+    from mhla_convert.models import resolve, source_meta_model
+
+    c = recipe.conversion
+    return check_conversion(source_meta_model(resolve(recipe.model.name)), ratio=c.ratio, strategy=c.strategy,
+                            layers=c.layers, blocks=c.blocks, attention=c.attention, **c.options)
+
+
+@pytest.mark.parametrize("overrides, exact, window", [
+    ([], 2, 4),  # the family's default exact chunks, under the recipe's window
+    (["conversion.options.exact_chunks=2"], 2, 4),
+    (["conversion.options.exact_chunks=3"], 3, 4),
+    (["conversion.options.exact_chunks=0"], 0, 4),
+    (["conversion.options.window=9", "conversion.options.exact_chunks=8"], 8, 9),
+])
+def test_exact_chunks_below_the_recipes_window_are_accepted(overrides, exact, window):
+    config = _resolved(load_recipe(TINY_LLAMA, overrides))
+    assert (config.exact_chunks, config.window, config.causal) == (exact, window, True)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("conversion.options.exact_chunks=4", "exact_chunks=4 must be < window=4: .*set exact_chunks to at most 3 or "
+     "window to at least 5"),
+    ("conversion.options.exact_chunks=9", "exact_chunks=9 must be < window=4"),
+    ("conversion.options.exact_radius=1", "exact_radius=1 is for non-causal models; llama is causal .*drop "
+     "exact_radius"),
+])
+def test_exact_chunks_at_or_past_the_window_are_refused_at_their_line(override, expected):
+    key = override.split("=")[0]
+    with pytest.raises(RecipeError, match=rf"\(--set {re.escape(override)}\): {re.escape(key)}: {expected}"):
+        load_recipe(TINY_LLAMA, [override])
+
+
+def test_a_window_that_leaves_no_room_for_the_default_exact_chunks_is_refused_before_loading(monkeypatch):
+    from mhla_convert import models
+    from mhla_convert.train import TrainError
+    from mhla_convert.train.build import build_model
+
+    recipe = load_recipe(TINY_LLAMA, ["conversion.options.window=2"])  # llama's default exact_chunks is 2
+    monkeypatch.setattr(models, "load_source", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(TrainError, match=r"conversion: exact_chunks=2 \(llama's default\) must be < window=2: .*"
+                                         "set exact_chunks to at most 1 or window to at least 3"):
+        build_model(recipe)
+    assert _resolved(load_recipe(TINY_LLAMA, ["conversion.options.window=2", "conversion.options.exact_chunks=1"]))
+    recipe = load_recipe(TINY_LLAMA, ["conversion.options.normalize=false"])  # a conflict with a default, too
+    with pytest.raises(ValueError, match=r"exact_chunks=2 \(llama's default\) needs normalize=true.*exact_chunks=0"):
+        _resolved(recipe)
+
+
+def test_exact_chunks_on_a_non_causal_family_are_refused():
+    with pytest.raises(RecipeError, match=r"conversion.options.exact_chunks: exact_chunks=1 is for causal models "
+                                          r"\(LMs\); dit is not causal .*exact_radius: drop exact_chunks"):
+        parse_recipe(GOOD + "conversion: {options: {exact_chunks: 1}}\n", "r.yaml")
+    # a family not known before the model is: the given options alone, then the family's at conversion
+    text = GOOD.replace("name: tiny-dit", "name: ./some/dir") + "conversion: {options: {exact_chunks: 1}}\n"
+    parse_recipe(text, "r.yaml")

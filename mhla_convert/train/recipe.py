@@ -314,7 +314,7 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if m.name and recipe.conversion is None:
         recipe.conversion = ConversionSpec()
     if recipe.conversion:
-        _check_conversion(recipe.conversion, raw, ctx)
+        _check_conversion(recipe.conversion, _family(m), raw, ctx)
         if not 0.0 <= recipe.conversion.ratio <= 1.0:
             raise ctx.fail(
                 "conversion.ratio",
@@ -382,11 +382,23 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
     _check_validation(recipe, raw, ctx)
 
 
-def _check_conversion(c: ConversionSpec, raw, ctx: _Ctx) -> None:
-    """The conversion options, each by the checks `convert` runs (options.py), at its own line; what
-    needs the model (layer range, blocks against the token grid) is checked once its config is known."""
-    from ..layer import MHLAConfig
-    from ..options import USER_OPTIONS, parse_blocks, parse_layers
+def _family(m: ModelSpec) -> str | None:
+    """The recipe model's family where it is known without the model: model.family, or that of a built-in tiny
+    model or alias model.name names."""
+    if m.family is not None or m.name is None:
+        return m.family
+    from ..models import aliases, tiny_models
+
+    known = {**{alias: f for alias, (f, _) in aliases().items()}, **{t: f for t, (f, _) in tiny_models().items()}}
+    return known.get(m.name)
+
+
+def _check_conversion(c: ConversionSpec, family: str | None, raw, ctx: _Ctx) -> None:
+    """The conversion options, each by the checks `convert` runs (options.py), at its own line, then together (on
+    the `family`'s kind of model where it is known); what needs the model (the family's defaults, layer range,
+    blocks against the token grid) is checked once its config is known."""
+    from ..families import adapter_for_family
+    from ..options import USER_OPTIONS, check_mhla_option, check_mhla_options, parse_blocks, parse_layers
 
     for key, value in c.options.items():
         where = _line(raw, "conversion", "options", key)
@@ -394,9 +406,16 @@ def _check_conversion(c: ConversionSpec, raw, ctx: _Ctx) -> None:
             allowed = ", ".join(USER_OPTIONS)
             raise ctx.fail(f"conversion.options.{key}", where, f"unknown MHLA option; allowed: {allowed}")
         try:
-            MHLAConfig(**{key: value})
+            check_mhla_option(key, value)
         except ValueError as exc:
             raise ctx.fail(f"conversion.options.{key}", where, str(exc)) from None
+    causal = None if family is None else adapter_for_family(family).causal
+    try:
+        check_mhla_options(c.options, causal=causal, family=family)
+    except ValueError as exc:  # at the exact region's line: what the conflicts are about
+        key = next((k for k in ("exact_chunks", "exact_radius") if k in c.options), None)
+        path = ("conversion", "options") + ((key,) if key else ())
+        raise ctx.fail(".".join(path), _line(raw, *path), str(exc)) from None
     for key, parse in (("blocks", parse_blocks), ("layers", parse_layers)):
         try:
             parse(getattr(c, key))
