@@ -1,37 +1,54 @@
-"""Fidelity benchmark: how close a converted model stays to its original, on real data.
+"""Fidelity benchmark: how close a converted model stays to its original, on real data, against the controls.
 
-Two miniatures, each trained to convergence from scratch with the project's own recipe machinery
-(a ratio-0 recipe is plain training of the original), then converted and fine-tuned with recipes:
+Two miniatures, each trained from scratch with the project's own recipe machinery (a ratio-0 recipe is plain
+training of the original), then converted and fine-tuned with recipes:
 
-- **lm**: a Llama-style byte-level LM (6 layers, 256 wide, GQA) on the Python source of the
-  installed `transformers` package; every tenth file is held out.
-- **dit**: a class-conditional DiT (6 layers, 256 wide, 8×8 pixel grid, patch 1) on scikit-learn's
-  handwritten digits (1,797 8×8 images, 10 classes); every tenth image is held out.
+- **lm**: a Llama-style byte-level LM (6 layers, 256 wide, GQA) on the Python source of the installed
+  `transformers` package in rows of 1,024 bytes; every tenth file is held out.
+- **dit**: a class-conditional DiT (6 layers, 256 wide, patch 1) on scikit-learn's handwritten digits upsampled to
+  16×16 pixels, so 256 tokens in 4×4 blocks of 4×4 tokens; every tenth image is held out.
 
-Every variant runs the same budget: attention transfer, then fine-tuning of all weights, with the
-held-out loss (fixed batches, fixed noise) at step 0, after transfer and every `--eval-every`
-steps. The gap is (loss − original's loss) / original's loss on the same held-out batches.
+Every variant runs the same budget: attention transfer, then fine-tuning of all weights (the original fine-tuned
+alike takes the transfer's steps as fine-tuning), with the held-out loss (fixed batches, fixed noise) at step 0,
+after transfer and every `--eval-every` steps. The gap is (loss − original's loss) / original's loss on the same
+held-out batches. The controls:
 
-    python benchmarks/fidelity.py --out out/fidelity                      # both, GPU: a few minutes
+- `softmax`: the original, fine-tuned alike;
+- `local` (the LM's sliding window): the original's softmax attention cut to the exact region of the shipped
+  conversion (`attention: local`), fine-tuned alike; its step 0 is the truncation every variant with that region
+  must start at or below;
+- `linear`: plain linear attention.
+
+Then: the DiT's held-out gap by noise level (final models), and the LM's long-range recall: 256 held-out bytes
+followed by the same bytes again, bits per byte on the second copy, where every byte was first seen 256 positions
+earlier (outside the exact region).
+
+    python benchmarks/fidelity.py --out out/fidelity --jobs 8           # both, GPU: a few minutes
     python benchmarks/fidelity.py --out out/fidelity --kinds lm --quick   # CPU smoke run
 
-Writes fidelity.json (every curve), fidelity.md (the table) and fidelity.png (the curves) to --out.
-Needs scikit-learn for the digits and matplotlib for the plot (`pip install -e ".[bench]"`).
+Writes fidelity.json (every curve), fidelity.md (the tables), fidelity.png (the curves) and fidelity_summary.json
+(the gaps at step 0, after transfer and at the end, the truncation beside them, the recall) to --out. `--jobs N`
+trains N variants at once, each in its own process on the same GPU (the miniatures leave most of it idle).
+Needs scikit-learn for the digits (`--quick` draws random images instead) and matplotlib for the plot
+(`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing
 import platform
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from mhla_convert.families import adapter_for_family
 from mhla_convert.train import parse_recipe
@@ -40,32 +57,45 @@ from mhla_convert.train.trainer import Trainer
 
 # --- data ------------------------------------------------------------------------------------------
 
+RECALL_SPAN = 256  # bytes: beyond the LM's exact region (at most 128 bytes with 2 chunks of 64)
+
 
 def lm_data(directory: Path, context: int, max_train_tokens: int) -> None:
-    """Bytes of the installed transformers package's .py files, packed into rows of `context`."""
+    """Bytes of the installed transformers package's .py files, packed into rows of `context`; the held-out
+    stream also gives the recall probes."""
     import transformers
 
     files = sorted(Path(transformers.__file__).parent.rglob("*.py"))
     streams = {"train": bytearray(), "heldout": bytearray()}
     for i, path in enumerate(files):
         streams["heldout" if i % 10 == 0 else "train"] += path.read_bytes() + b"\0"
-    caps = {"train": max_train_tokens, "heldout": 8 * 64 * context}  # the validation reads 8 batches of 64
+    heldout_rows = 8 * 64 * context  # the validation reads 8 batches of 64
+    caps = {"train": max_train_tokens, "heldout": heldout_rows}
     for split, data in streams.items():
         ids = torch.frombuffer(bytes(data[: caps[split] // context * context]), dtype=torch.uint8).long()
-        ids = ids.view(-1, context)
-        save_file({"input_ids": ids}, str(directory / f"{split}.safetensors"))
+        save_file({"input_ids": ids.view(-1, context)}, str(directory / f"{split}.safetensors"))
+    # recall probes from held-out text the validation does not read: a span, then the same span again
+    rest = torch.frombuffer(bytes(streams["heldout"][heldout_rows:]), dtype=torch.uint8).long()
+    starts = torch.randperm(len(rest) - RECALL_SPAN, generator=torch.Generator().manual_seed(0))[:64]
+    spans = torch.stack([rest[s : s + RECALL_SPAN] for s in starts.tolist()])
+    save_file({"input_ids": torch.cat([spans, spans], 1)}, str(directory / "recall.safetensors"))
 
 
-def dit_data(directory: Path) -> None:
-    """scikit-learn's digits: 8×8 grey images scaled to [-1, 1], with their class labels."""
-    from sklearn.datasets import load_digits
+def dit_data(directory: Path, quick: bool, size: int) -> None:
+    """scikit-learn's digits upsampled to size × size, in [-1, 1], with their class labels (`quick`: random
+    images, no scikit-learn)."""
+    if quick:
+        g = torch.Generator().manual_seed(0)
+        images, labels = torch.rand(200, 1, 8, 8, generator=g) * 16, torch.randint(0, 10, (200,), generator=g)
+    else:
+        from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).div(8.0).sub(1.0)[:, None]
-    labels = torch.tensor(digits.target, dtype=torch.long)
+        digits = load_digits()
+        images, labels = torch.tensor(digits.images, dtype=torch.float32)[:, None], torch.tensor(digits.target)
+    images = torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear")
     held = torch.arange(len(labels)) % 10 == 0
     for split, mask in (("train", ~held), ("heldout", held)):
-        save_file({"latents": images[mask].contiguous(), "class_labels": labels[mask].contiguous()},
+        save_file({"latents": images[mask].contiguous(), "class_labels": labels[mask].long().contiguous()},
                   str(directory / f"{split}.safetensors"))
 
 
@@ -81,29 +111,48 @@ class Miniature:
     batch_size: int
     finetune_lr: float
     conversion: dict = field(default_factory=dict)  # options every converted variant shares
+    variants: dict = field(default_factory=dict)  # name -> (label, conversion section, transfer, objective)
 
 
 def miniatures(quick: bool) -> dict[str, Miniature]:
     from transformers import LlamaConfig
 
-    width, layers = (64, 4) if quick else (256, 6)
+    width, layers = (64, 2) if quick else (256, 6)
     lm = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 3, num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      architectures=["LlamaForCausalLM"]).to_dict()
     dit = dict(num_attention_heads=4, attention_head_dim=width // 4, in_channels=1, out_channels=1, num_layers=layers,
-               sample_size=8, patch_size=1, num_embeds_ada_norm=10, norm_num_groups=1)
+               sample_size=16, patch_size=1, num_embeds_ada_norm=10, norm_num_groups=1)
+    shared = {
+        "full": ("full MHLA (shipped defaults)", {"ratio": 1.0}, True, {}),
+        "local": ("{local}: softmax cut to the exact region, fine-tuned", {"ratio": 1.0, "attention": "local"}, True,
+                  {}),
+        "linear": ("plain linear attention", {"ratio": 1.0, "attention": "linear"}, True, {}),
+        "hybrid-auto": ("hybrid 50% auto", {"ratio": 0.5, "strategy": "auto"}, True, {}),
+        "full-distill": ("full MHLA, fine-tuned by distillation", {"ratio": 1.0}, True, {"distill": 1.0}),
+        "softmax": ("original, fine-tuned alike", {"ratio": 0.0}, False, {}),
+    }
+    lm_variants = {**shared, "full-no-exact": ("full MHLA, no exact chunks (the paper's form)",
+                                               {"ratio": 1.0, "options": {"exact_chunks": 0}}, True, {})}
+    dit_variants = {
+        **shared,
+        "full-own-block": ("full MHLA, exact own block only", {"ratio": 1.0, "options": {"exact_radius": 0}}, True,
+                           {}),
+        "full-no-exact": ("full MHLA, no exact region (the paper's form)",
+                          {"ratio": 1.0, "options": {"exact_radius": None}}, True, {}),
+    }
     return {
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
-                        finetune_lr=1e-4, conversion={"options": {"chunk_size": 64}}),
+                        finetune_lr=1e-4, conversion={"options": {"chunk_size": 16 if quick else 64}},
+                        variants=lm_variants),
         "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
-                         finetune_lr=5e-5, conversion={"blocks": "4x4"}),
+                         finetune_lr=5e-5, conversion={"blocks": "4x4"}, variants=dit_variants),
     }
 
 
 def save_random_base(mini: Miniature, directory: Path) -> None:
     torch.manual_seed(0)
-    adapter = adapter_for_family(mini.family)
-    adapter.build(mini.config).save_pretrained(str(directory))
+    adapter_for_family(mini.family).build(mini.config).save_pretrained(str(directory))
 
 
 # --- recipes ---------------------------------------------------------------------------------------
@@ -111,7 +160,7 @@ def save_random_base(mini: Miniature, directory: Path) -> None:
 
 def recipe(
     model: str, data: Path, stages: list[dict], *, batch_size: int, lr: float, eval_every: int, conversion: dict | None,
-    schedule: dict | None = None, precision: str = "no", keep_best: bool = False,
+    schedule: dict | None = None, precision: str = "no", keep_best: bool = False, objective: dict | None = None,
 ) -> dict:
     return {
         "model": {"name": model},
@@ -122,6 +171,7 @@ def recipe(
         "stages": stages,
         "optimizer": {"lr": lr, "grad_clip": 1.0},
         "schedule": schedule or {"name": "constant", "warmup_steps": 0},
+        "objective": objective or {},
         "precision": precision,
         "logging": {"every": 10, "trackers": []},
         "seed": 0,
@@ -130,69 +180,90 @@ def recipe(
 
 def run(spec: dict, out: Path) -> list[dict]:
     """Train a recipe afresh; its validation rows [{step, stage, validation_loss}]."""
+    torch.set_num_threads(1)  # (--jobs processes share the host's cores; the work is on the GPU)
     shutil.rmtree(out, ignore_errors=True)
     Trainer(parse_recipe(yaml.safe_dump(spec)), out, resume=False, log=lambda *_: None).run()
-    return validation_rows(out)
-
-
-def validation_rows(out: Path) -> list[dict]:
     return [r for r in read_metrics(out / "metrics.jsonl") if "validation_loss" in r]
 
 
-VARIANTS = {  # name -> (label, conversion section, whether the run starts with attention transfer)
-    "mhla": ("full MHLA", {"ratio": 1.0}, True),
-    "linear": ("plain linear attention", {"ratio": 1.0, "attention": "linear"}, True),
-    "hybrid-spread": ("hybrid 50% spread", {"ratio": 0.5, "strategy": "spread"}, True),
-    "hybrid-auto": ("hybrid 50% auto", {"ratio": 0.5, "strategy": "auto"}, True),
-    "mhla-no-exact": ("full MHLA, no exact chunks (LM)", {"ratio": 1.0, "options": {"exact_chunks": 0}}, True),
-    "mhla-no-transfer": ("full MHLA, no transfer", {"ratio": 1.0}, False),
-    "original": ("original, fine-tuned alike", {"ratio": 0.0}, False),
-}
-
-LM_ONLY = {"mhla-no-exact"}  # the paper's pure causal form; non-causal layers have no exact chunks
-
-
-def variant_conversion(mini: Miniature, section: dict) -> dict:
-    out = {**section}
+def variant_spec(mini: Miniature, name: str, trained: str, data: Path, args) -> tuple[dict, bool]:
+    """The recipe of variant `name` and whether it starts with attention transfer."""
+    _, section, transfer, objective = mini.variants[name]
+    conversion = {**section}
     if section["ratio"] > 0:
-        out.update({k: v for k, v in mini.conversion.items() if not (k == "blocks" and section.get("attention"))})
-        out["options"] = {**mini.conversion.get("options", {}), **section.get("options", {})}
+        linear = section.get("attention") == "linear"  # (one block: no blocks option)
+        shared = {k: v for k, v in mini.conversion.items() if not (k == "blocks" and linear)}
+        conversion.update(shared)
+        conversion["options"] = {**mini.conversion.get("options", {}), **section.get("options", {})}
+    lr = args.finetune_lr or mini.finetune_lr
+    stages = [{"name": "attention_transfer", "steps": args.transfer_steps, "lr": args.transfer_lr}] if transfer else []
+    stages.append({"name": "finetune", "steps": args.finetune_steps + (0 if transfer else args.transfer_steps),
+                   "train": "all", "lr": lr})
+    return recipe(trained, data, stages, batch_size=mini.batch_size, lr=lr, eval_every=args.eval_every,
+                  conversion=conversion, precision=args.precision, objective=objective), transfer
+
+
+def train_base(kind: str, mini: Miniature, root: Path, precision: str) -> list[dict]:
+    """The original, trained from scratch (or reused from an earlier run into the same --out)."""
+    base = root / kind / "base"
+    if (base / "best").is_dir():
+        return [r for r in read_metrics(base / "metrics.jsonl") if "validation_loss" in r]
+    save_random_base(mini, root / kind / "random-init")
+    spec = recipe(str(root / kind / "random-init"), root / kind / "data",
+                  [{"name": "finetune", "steps": mini.base_steps, "train": "all"}], batch_size=mini.batch_size,
+                  lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1), conversion=None, precision=precision,
+                  schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}, keep_best=True)
+    return run(spec, base)
+
+
+def train_variant(kind: str, name: str, mini: Miniature, root: Path, args) -> dict:
+    tic = time.perf_counter()
+    out = root / kind / "variants" / name
+    spec, transfer = variant_spec(mini, name, str(root / kind / "base" / "best"), root / kind / "data", args)
+    curve = run(spec, out)
+    saved = json.loads((out / "model" / "mhla_config.json").read_text())
+    result = {"conversion": spec["conversion"], "objective": spec["objective"], "transfer": transfer,
+              "seconds": time.perf_counter() - tic, "converted_layers": saved["plan"]["layers"],
+              "sensitivity": saved["plan"].get("sensitivity"), "curve": curve}
+    (root / f"{kind}-{name}.json").write_text(json.dumps(result, default=str))  # (read if the run is cut short)
+    return result
+
+
+# --- what the final models do: noise levels (DiT), recall (LM) ---------------------------------------
+
+NOISE_LEVELS = (50, 150, 300, 450, 700, 900)
+
+
+def _load(path: Path, device: str):
+    from mhla_convert import load_model
+
+    return load_model(str(path)).to(device).eval()
+
+
+@torch.no_grad()
+def loss_by_noise_level(path: Path, data: Path, device: str) -> dict[int, float]:
+    """ε-prediction MSE on the held-out images at fixed timesteps (the same noise for every model)."""
+    from mhla_convert.train.recipe import ObjectiveSpec
+
+    model, objective = _load(path, device), adapter_for_family("dit").objective(ObjectiveSpec())
+    held = {k: v.to(device) for k, v in load_file(str(data / "heldout.safetensors")).items()}
+    noise = torch.randn(held["latents"].shape, generator=torch.Generator().manual_seed(0)).to(device)
+    out = {}
+    for t in NOISE_LEVELS:
+        steps = torch.full((len(noise),), t, dtype=torch.long)
+        pred, target = objective.prediction(model, held, steps, noise)
+        out[t] = float(torch.nn.functional.mse_loss(pred, target))
     return out
 
 
-# --- training-free baseline: sliding window + attention sinks (LMs) ---------------------------------
-
-
-def sink_window_loss(model_dir: Path, data: Path, window: int, sinks: int, device: str) -> float:
-    """The original LM with each query restricted to the last `window` keys plus the first `sinks`
-    (StreamingLLM), scored with the same held-out batches and objective as the variants."""
-    from transformers import AttentionInterface
-
-    from mhla_convert import load_model
-    from mhla_convert.train.data import TensorData, load_shards
-    from mhla_convert.train.recipe import ObjectiveSpec
-    from mhla_convert.train.validation import HeldOut
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        n, groups = query.shape[-2], query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        i = torch.arange(n, device=query.device)[:, None]
-        j = torch.arange(key.shape[-2], device=query.device)[None]
-        allowed = (j <= i) & ((i - j < window) | (j < sinks))
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("sink_window", attention)
-    model = load_model(str(model_dir)).to(device)
-    model.set_attn_implementation("sink_window")
-    held = HeldOut(
-        TensorData(load_shards(data / "heldout.safetensors")),
-        adapter_for_family("llama").objective(ObjectiveSpec()),
-        batch_size=64,
-        num_batches=1000,
-        seed=0,
-    )
-    return held.loss(model, device=device, dtype=torch.float32)
+@torch.no_grad()
+def recall_bits(path: Path, data: Path, device: str) -> float:
+    """Bits per byte on the second copy of each recall probe."""
+    model = _load(path, device)
+    ids = load_file(str(data / "recall.safetensors"))["input_ids"].to(device)
+    logits = model(input_ids=ids, use_cache=False).logits[:, RECALL_SPAN - 1 : -1].float()
+    nats = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, RECALL_SPAN:].flatten())
+    return float(nats) / math.log(2)
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
@@ -202,88 +273,70 @@ def gap(loss: float, reference: float) -> float:
     return (loss - reference) / reference
 
 
-def bench(kind: str, mini: Miniature, args, root: Path) -> dict:
-    data, base_dir = root / kind / "data", root / kind / "random-init"
-    data.mkdir(parents=True, exist_ok=True)
-    (lm_data(data, 512 if not args.quick else 64, 24_000_000 if not args.quick else 20_000) if kind == "lm"
-     else dit_data(data))
-    precision = "bf16" if torch.cuda.is_available() else "no"
-    tic = time.perf_counter()
-    if (root / kind / "base" / "best").is_dir():  # trained by an earlier run into the same --out
-        base_curve = validation_rows(root / kind / "base")
-    else:
-        save_random_base(mini, base_dir)
-        base_curve = run(recipe(str(base_dir), data, [{"name": "finetune", "steps": mini.base_steps, "train": "all"}],
-                         batch_size=mini.batch_size, lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1),
-                         conversion=None, precision=precision,
-                         schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}, keep_best=True),
-                         root / kind / "base")
-    original = min(r["validation_loss"] for r in base_curve)  # the original is the best model by held-out loss
-    result = {"original_loss": original, "base_training": base_curve, "variants": {},
-              "base_seconds": time.perf_counter() - tic}
-    print(f"[{kind}] original trained {mini.base_steps} steps ({result['base_seconds']:.0f} s): held-out loss "
-          f"{original:.4f}", flush=True)
-    trained = str(root / kind / "base" / "best")
-    for name in args.variants:
-        if kind != "lm" and name in LM_ONLY:
-            continue
-        label, section, transfer = VARIANTS[name]
-        stages = ([{"name": "attention_transfer", "steps": args.transfer_steps, "lr": args.transfer_lr}]
-                  if transfer else [])
-        stages.append({"name": "finetune", "steps": args.finetune_steps + (0 if transfer else args.transfer_steps),
-                       "train": "all", "lr": args.finetune_lr or mini.finetune_lr})
-        tic = time.perf_counter()
-        spec = recipe(trained, data, stages, batch_size=mini.batch_size, lr=args.finetune_lr or mini.finetune_lr,
-                      eval_every=args.eval_every, conversion=variant_conversion(mini, section), precision=precision)
-        curve = run(spec, root / kind / "variants" / name)
-        saved = json.loads((root / kind / "variants" / name / "model" / "mhla_config.json").read_text())
-        result["variants"][label] = {
-            "conversion": spec["conversion"], "transfer": transfer, "seconds": time.perf_counter() - tic,
-            "converted_layers": saved["plan"]["layers"], "sensitivity": saved["plan"].get("sensitivity"),
-            "curve": [{**r, "gap": gap(r["validation_loss"], original)} for r in curve],
-        }
-        print(
-            f"[{kind}] {label} ({time.perf_counter() - tic:.0f} s): "
-            + ", ".join(f"{r['step']}: {gap(r['validation_loss'], original):+.1%}" for r in curve),
-            flush=True,
-        )
-    if kind == "lm":
-        loss = sink_window_loss(
-            Path(trained), data, args.window, args.sinks, "cuda" if torch.cuda.is_available() else "cpu"
-        )
-        result["sink_window"] = {"window": args.window, "sinks": args.sinks, "loss": loss, "gap": gap(loss, original)}
-        print(f"[lm] sliding window {args.window} + {args.sinks} sinks (no training): {gap(loss, original):+.1%}")
-    return result
-
-
 def point(curve: list[dict], step: int | None = None, stage: str | None = None) -> float | None:
     rows = [r for r in curve if (step is None or r["step"] == step) and (stage is None or r["stage"] == stage)]
     return rows[-1]["gap"] if rows else None
 
 
-def table(results: dict, args) -> str:
+def has_region(name: str, mini: Miniature) -> bool:
+    """Whether every layer of a variant reads the shipped exact region (so the truncation control is its own)."""
+    _, section, _, _ = mini.variants[name]
+    kind = section.get("attention", "mhla")
+    return section["ratio"] == 1 and kind in ("mhla", "local") and not section.get("options")
+
+
+def summarise(results: dict, minis: dict[str, Miniature], args) -> dict:
+    """The summary the docs and issue tracker read: gaps at step 0, after transfer, at the end; truncation."""
+    summary = {}
+    for kind, res in results.items():
+        curves = {name: v["curve"] for name, v in res["variants"].items()}
+        truncation = point(curves["local"], 0) if "local" in curves else None
+        variants = {}
+        for name, curve in curves.items():
+            key = "window" if (kind == "lm" and name == "local") else name
+            variants[key] = {
+                "step0": point(curve, 0),
+                "truncation": truncation if has_region(name, minis[kind]) else None,
+                "transfer": point(curve, args.transfer_steps, "attention_transfer"),
+                "final": curve[-1]["gap"],
+                "best": min(r["gap"] for r in curve),
+            }
+        summary[kind] = {"variants": variants}
+        if kind == "dit":
+            summary[kind]["tokens"] = minis[kind].config["sample_size"] ** 2
+            summary[kind]["by_noise_level"] = res.get("by_noise_level")
+        if kind == "lm":
+            summary[kind]["recall"] = res.get("recall")
+    return summary
+
+
+def table(results: dict, summary: dict, args) -> str:
     lines = []
     for kind, res in results.items():
-        lines += [
-            f"**{kind}** (original's held-out loss {res['original_loss']:.4f})",
-            "",
-            f"| variant | step 0 | after transfer | after {args.transfer_steps + args.finetune_steps} steps | best |",
-            "|---|---|---|---|---|",
-        ]
+        steps = args.transfer_steps + args.finetune_steps
+        lines += [f"**{kind}** (original's held-out loss {res['original_loss']:.4f})", "",
+                  f"| variant | step 0 | truncation | after transfer | after {steps} steps | best |",
+                  "|---|---|---|---|---|---|"]
         for name, v in res["variants"].items():
-            curve = v["curve"]
-            cells = [
-                point(curve, 0),
-                point(curve, args.transfer_steps, "attention_transfer") if v["transfer"] else None,
-                curve[-1]["gap"],
-                min(r["gap"] for r in curve),
-            ]
-            lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:+.1%}" for c in cells) + " |")
-        if "sink_window" in res:
-            s = res["sink_window"]
-            lines.append(f"| sliding window {s['window']} + {s['sinks']} sink tokens (no training) | {s['gap']:+.1%} "
-                         "| — | — | — |")
+            s = summary[kind]["variants"]["window" if (kind == "lm" and name == "local") else name]
+            cells = [s["step0"], s["truncation"], s["transfer"], s["final"], s["best"]]
+            lines.append(f"| {v['label']} | " + " | ".join("—" if c is None else f"{c:+.1%}" for c in cells) + " |")
         lines.append("")
+        levels = summary[kind].get("by_noise_level")
+        if levels:
+            lines += ["Held-out gap by noise level (final models):", "",
+                      "| variant | " + " | ".join(f"t = {t}" for t in NOISE_LEVELS) + " |",
+                      "|---|" + "---|" * len(NOISE_LEVELS)]
+            for name, row in levels.items():
+                if name != "original":
+                    lines.append(f"| {name} | " + " | ".join(f"{row[str(t)]:+.1%}" for t in NOISE_LEVELS) + " |")
+            lines.append("")
+        recall = summary[kind].get("recall")
+        if recall:
+            lines += ["Long-range recall (bits per byte on the second copy of a 256-byte span):", "",
+                      "| model | bits per byte |", "|---|---|"]
+            lines += [f"| {name} | {bits:.3f} |" for name, bits in recall.items()]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -295,16 +348,24 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
     for ax, (kind, res) in zip(axes[0], results.items()):
-        for name, v in res["variants"].items():
-            ax.plot([r["step"] for r in v["curve"]], [100 * r["gap"] for r in v["curve"]], marker=".", label=name)
+        for v in res["variants"].values():
+            ax.plot([r["step"] for r in v["curve"]], [100 * r["gap"] for r in v["curve"]], marker=".", label=v["label"])
         ax.set(title=f"{kind}: held-out loss gap to the original", xlabel="step", ylabel="gap (%)", yscale="symlog")
         ax.axhline(0, color="k", lw=0.5)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def _run_all(jobs: list[tuple], workers: int) -> list:
+    """fn(*args) for each (fn, *args), in `workers` processes at once (1: here, one after the other)."""
+    if workers <= 1:
+        return [fn(*a) for fn, *a in jobs]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return [f.result() for f in [pool.submit(fn, *a) for fn, *a in jobs]]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kinds", default="lm,dit")
@@ -313,33 +374,67 @@ def main() -> None:
     parser.add_argument("--finetune-steps", type=int, default=400)
     parser.add_argument("--finetune-lr", type=float, help="default: per miniature")
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--window", type=int, default=64, help="sliding-window baseline: keys per query")
-    parser.add_argument("--sinks", type=int, default=4, help="sliding-window baseline: sink tokens")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
     parser.add_argument("--base-steps", type=int, help="steps of the originals' training (default: per miniature)")
-    parser.add_argument("--chunk-size", type=int, help="LM: MHLA chunk size (default: 64)")
-    parser.add_argument("--mixing-window", type=int, help="LM: chunk distances with their own mixing weight")
+    parser.add_argument("--jobs", type=int, default=1, help="variants trained at once, one process each")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.transfer_steps, args.finetune_steps, args.eval_every = 4, 8, 4
-    args.variants = [v.strip() for v in args.variants.split(",")]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        args.transfer_steps, args.finetune_steps, args.eval_every = 2, 4, 2
+    args.precision = "bf16" if torch.cuda.is_available() else "no"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kinds = args.kinds.split(",")
+    minis = {kind: mini for kind, mini in miniatures(args.quick).items() if kind in kinds}
+    chosen = None if args.variants is None else [v.strip() for v in args.variants.split(",")]
+    known = set().union(*(m.variants for m in minis.values()))
+    if chosen is not None and set(chosen) - known:
+        parser.error(f"unknown variants {sorted(set(chosen) - known)}; choose from {sorted(known)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    minis = miniatures(args.quick)
-    for mini in minis.values():
+    tic = time.perf_counter()
+    for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
-    minis["lm"].conversion["options"].update({k: v for k, v in (("chunk_size", args.chunk_size),
-                                                               ("window", args.mixing_window)) if v})
-    results = {kind: bench(kind, minis[kind], args, args.out) for kind in args.kinds.split(",")}
+        (args.out / kind / "data").mkdir(parents=True, exist_ok=True)
+        if kind == "lm":
+            lm_data(args.out / kind / "data", 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000)
+        else:
+            dit_data(args.out / kind / "data", args.quick, mini.config["sample_size"])
+    bases = _run_all([(train_base, kind, mini, args.out, args.precision) for kind, mini in minis.items()], args.jobs)
+    results = {}
+    for (kind, mini), curve in zip(minis.items(), bases):
+        original = min(r["validation_loss"] for r in curve)  # the original is the best model by held-out loss
+        results[kind] = {"original_loss": original, "base_training": curve, "variants": {}}
+        print(f"[{kind}] original: held-out loss {original:.4f} ({time.perf_counter() - tic:.0f} s)", flush=True)
+    names = [(kind, name) for kind, mini in minis.items() for name in mini.variants if chosen is None or name in chosen]
+    done = _run_all([(train_variant, kind, name, minis[kind], args.out, args) for kind, name in names], args.jobs)
+    for (kind, name), v in zip(names, done):
+        label = minis[kind].variants[name][0].format(local="sliding window" if kind == "lm" else "truncation")
+        v["curve"] = [{**r, "gap": gap(r["validation_loss"], results[kind]["original_loss"])} for r in v["curve"]]
+        results[kind]["variants"][name] = {"label": label, **v}
+        print(f"[{kind}] {label} ({v['seconds']:.0f} s): "
+              + ", ".join(f"{r['step']}: {r['gap']:+.1%}" for r in v["curve"]), flush=True)
+    for kind, res in results.items():
+        data, original = args.out / kind / "data", args.out / kind / "base" / "best"
+        models = {"original": original, **{name: args.out / kind / "variants" / name / "model"
+                                           for name in res["variants"]}}
+        if kind == "dit":
+            losses = {name: loss_by_noise_level(path, data, device) for name, path in models.items()}
+            res["by_noise_level"] = {name: {str(t): gap(row[t], losses["original"][t]) for t in NOISE_LEVELS}
+                                     for name, row in losses.items()}
+        else:
+            res["recall"] = {("window" if name == "local" else name): recall_bits(path, data, device)
+                             for name, path in models.items()}
+    summary = summarise(results, minis, args)
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "args": vars(args)}
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "seconds": time.perf_counter() - tic, "args": vars(args)}
     (args.out / "fidelity.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    (args.out / "fidelity.md").write_text(table(results, args))
-    print(table(results, args))
-    plot(results, args.out / "fidelity.png")
+    (args.out / "fidelity_summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (args.out / "fidelity.md").write_text(table(results, summary, args))
+    print(table(results, summary, args))
+    try:
+        plot(results, args.out / "fidelity.png")
+    except ImportError:
+        print("(no plot: matplotlib is not installed)")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ for model in llama qwen3; do  # both into lm_generate.json and .md
     step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
 done
 echo "== $py benchmarks/fidelity.py > fidelity.txt"
-if "$py" benchmarks/fidelity.py --out "$out/fidelity-runs" > "$out/fidelity.txt" 2>&1; then
-    cp "$out"/fidelity-runs/fidelity.{json,md,png} "$out"/ && rm -rf "$out/fidelity-runs"
+if "$py" benchmarks/fidelity.py --jobs 15 --out "$out/fidelity-runs" > "$out/fidelity.txt" 2>&1; then
+    cp "$out"/fidelity-runs/fidelity{,_summary}.json "$out"/fidelity-runs/fidelity.{md,png} "$out"/ && rm -rf "$out/fidelity-runs"
 else
     echo "   failed"; failed=1
 fi

@@ -131,9 +131,11 @@ def _table(text: str) -> list[list[str]]:
 
 
 def test_wan_forward_tiny_compiled(load):
-    """Wan: original, all layers and the 2/3 hybrid, eager and compiled (fullgraph, traced by aot_eager)."""
+    """Wan: original, all layers (with and without the exact region) and the 2/3 hybrid, eager and compiled
+    (fullgraph, traced by aot_eager)."""
     rows = _table(load("wan_forward").main(["--tiny", "--model", "wan", "--compile"]))
-    assert [r[0].split(" ")[0] for r in rows] == ["original", "all", "2"]
+    assert [r[0].split(" ")[0] for r in rows] == ["original", "all", "all", "2"]
+    assert "own block exact" in rows[1][0] and "no exact region" in rows[2][0]
     for name, eager, speedup, compiled, compiled_speedup, gain in rows:
         assert float(eager.removesuffix(" ms")) > 0 and float(compiled.removesuffix(" ms")) > 0
         assert gain.endswith("x") and speedup.endswith("x") and compiled_speedup.endswith("x")
@@ -184,3 +186,21 @@ def test_wan_forward_tiny_sana_records_a_compile_failure(load, monkeypatch):
     for row in rows:
         assert float(row[1].removesuffix(" ms")) > 0
         assert row[3] == "failed: RuntimeError: graph break / somewhere" and row[4:] == ["-", "-"]
+
+
+def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path):
+    """The fidelity benchmark's CPU smoke run: both miniatures, every variant, and the summary the docs read."""
+    load("fidelity").main(["--quick", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "fidelity_summary.json").read_text())
+    assert summary["dit"]["tokens"] >= 256
+    lm, dit = summary["lm"]["variants"], summary["dit"]["variants"]
+    assert {"full", "window", "linear", "softmax", "full-distill", "full-no-exact", "hybrid-auto"} <= set(lm)
+    assert {"full", "local", "linear", "softmax", "full-distill", "full-own-block", "full-no-exact"} <= set(dit)
+    for row in (*lm.values(), *dit.values()):
+        assert {"step0", "truncation", "transfer", "final"} <= set(row) and isinstance(row["final"], float)
+    assert lm["full"]["truncation"] == lm["window"]["step0"] and dit["full"]["truncation"] == dit["local"]["step0"]
+    assert lm["softmax"]["transfer"] is None and lm["linear"]["truncation"] is None
+    assert set(summary["lm"]["recall"]) >= {"original", "window", "full"}
+    levels = summary["dit"]["by_noise_level"]
+    assert set(levels["full"]) == {"50", "150", "300", "450", "700", "900"} and levels["original"]["50"] == 0
+    assert (tmp_path / "fidelity.md").read_text().count("| variant |") >= 3
