@@ -35,9 +35,8 @@ import triton.language as tl
 from ..ops.blocks import BlockLayout
 from ..ops.dispatch import register
 from ..ops.exact_blocks import exact_mask, mhla_attention_exact_blocks_torch
-from ..ops.library import grads_by_recompute
 from . import settings
-from .exact_triton import _operand
+from .exact_triton import _operand, devices_reason, mix_rows, recomputed_grads, run_recomputed, summary_rows
 from .exact_triton import _rows as _row_major
 from .mhla_kernels import _phi, _rows
 from .mhla_triton import (
@@ -148,13 +147,8 @@ def _blocks_forward_kernel(
 
 def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, key_mask=None) -> str | None:
     """Why these inputs need the torch path, or None when the kernels take them."""
-    reason = qkv_reason(q, k, v, phi) or device_reason(q)
-    if reason:
-        return reason
-    devices = {t.device for t in (q, k, v, mixing, key_mask) if t is not None}
-    if len(devices) > 1:  # (named here, not as a pointer error of Triton's)
-        return f"tensors on several devices ({', '.join(sorted(map(str, devices)))})"
-    return head_dims_reason(q, v)
+    reason = qkv_reason(q, k, v, phi) or device_reason(q) or devices_reason(q, k, v, mixing, key_mask)
+    return reason or head_dims_reason(q, v)
 
 
 def supports(q, k, v, mixing, layout, *, exact_radius, phi, key_mask=None) -> bool:
@@ -197,24 +191,15 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_radius: tuple[int, ...]
     # some query reads a summary unless every block lies in every other's neighbourhood
     far = any(r < b - 1 for r, b in zip(exact_radius, layout.blocks))
     if far:
-        cols = dim * dv + dim
         dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-        # rows laid out so that the mixture is one GEMM: (M, B·H_kv·cols) shared, (H_kv, M, B·cols) per head
-        shape = (kv_heads, m, batch, cols) if per_head else (m, batch, kv_heads, cols)
-        s = _new(*shape, dtype=dtype, device=q.device)
-        s_strides = (cols, m * batch * cols, batch * cols) if per_head else (kv_heads * cols, cols, s.stride(0))
+        s, sf_strides = summary_rows(kv_heads, m, batch, dim * dv + dim, per_head=per_head, dtype=dtype,
+                                     device=q.device)
         _blocks_summaries_kernel[(kv_heads, m, batch)](
             k, v, km, s, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0),
-            *s_strides, **consts)
+            *sf_strides, **consts)
         mix_far = mix.masked_fill(exact_mask(layout.blocks, exact_radius, q.device), 0.0).to(dtype)
-        if per_head:  # (H_kv, g·M, M) @ (H_kv, M, B·cols) → per query head (H, M, B, cols)
-            sf = torch.bmm(mix_far.view(kv_heads, groups * m, m), s.view(kv_heads, m, -1))
-            far_groups = 1
-        else:
-            sf = mix_far @ s.view(m, -1)
-            far_groups = groups
+        sf, far_groups = mix_rows(mix_far, s, per_head=per_head, kv_heads=kv_heads, groups=groups)
         del s
-        sf_strides = s_strides
     else:
         sf, sf_strides, far_groups = o, (0, 0, 0), 1
     _blocks_forward_kernel[(heads, m * tiles, batch)](
@@ -225,45 +210,30 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_radius: tuple[int, ...]
     return o
 
 
-class _ExactBlocksFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mixing, key_mask, options):
-        ctx.options = options
-        ctx.save_for_backward(q, k, v, mixing, key_mask)
-        return _forward(q, k, v, mixing, *options, key_mask)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, mixing, key_mask = ctx.saved_tensors
-        layout, exact_radius, phi, scale, eps = ctx.options
-        needs = ctx.needs_input_grad[:4]
-        grads = mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout, exact_radius=exact_radius,
-                                                            phi=phi, scale=scale, eps=eps, needs_grad=needs,
-                                                            key_mask=key_mask)
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None)
-
-
 def mhla_attention_exact_blocks_triton(q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale, eps,
                                        key_mask=None):
     """The Triton backend (same contract as `ops.exact_blocks.mhla_attention_exact_blocks_torch`)."""
     reason = unsupported_reason(q, k, v, mixing, layout, exact_radius=exact_radius, phi=phi, key_mask=key_mask)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    options = (layout, tuple(exact_radius), phi, scale, eps)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
-        return _ExactBlocksFunction.apply(q, k, v, mixing, key_mask, options)
-    return _forward(q, k, v, mixing, *options, key_mask)
+    options = dict(exact_radius=tuple(exact_radius), phi=phi, scale=scale, eps=eps)
+
+    def backward(do, q, k, v, mixing, key_mask, needs):
+        return mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout, needs_grad=needs,
+                                                           key_mask=key_mask, **options)
+
+    def forward(q, k, v, mixing, key_mask):
+        return _forward(q, k, v, mixing, layout, options["exact_radius"], phi, scale, eps, key_mask)
+
+    return run_recomputed(forward, backward, q, k, v, mixing, key_mask)
 
 
 def mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale,
                                                 eps, needs_grad, key_mask=None):
     """(dq, dk, dv, dmixing) from the inputs alone: the torch path again under `torch.func.vjp` (zeros where
     `needs_grad` is False)."""
-    def torch_path(q, k, v, mixing):
-        return (mhla_attention_exact_blocks_torch(q, k, v, mixing, layout, exact_radius=tuple(exact_radius), phi=phi,
-                                                  scale=scale, eps=eps, key_mask=key_mask),)
-
-    return grads_by_recompute(torch_path, (q, k, v, mixing), (do,), needs_grad)
+    return recomputed_grads(mhla_attention_exact_blocks_torch, do, q, k, v, mixing, layout, needs_grad,
+                            exact_radius=tuple(exact_radius), phi=phi, scale=scale, eps=eps, key_mask=key_mask)
 
 
 register("exact_blocks", "triton", mhla_attention_exact_blocks_triton, supports,

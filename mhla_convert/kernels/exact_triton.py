@@ -140,13 +140,8 @@ def _exact_forward_kernel(
 
 def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, exact_chunks: int, phi, key_mask=None) -> str | None:
     """Why these inputs need the torch path, or None when the kernels take them."""
-    reason = qkv_reason(q, k, v, phi) or device_reason(q)
-    if reason:
-        return reason
-    devices = {t.device for t in (q, k, v, mixing, key_mask) if t is not None}
-    if len(devices) > 1:  # (named here, not as a pointer error of Triton's)
-        return f"tensors on several devices ({', '.join(sorted(map(str, devices)))})"
-    reason = head_dims_reason(q, v)
+    reason = qkv_reason(q, k, v, phi) or device_reason(q) or devices_reason(q, k, v, mixing, key_mask)
+    reason = reason or head_dims_reason(q, v)
     if reason:
         return reason
     if layout.tokens_per_block > settings.SETTINGS.max_chunk:
@@ -160,8 +155,66 @@ def supports(q, k, v, mixing, layout, *, exact_chunks, phi, key_mask=None) -> bo
                                             key_mask=key_mask) is None
 
 
+def devices_reason(*tensors) -> str | None:
+    """Why tensors on several devices cannot go to the kernels (named here, not as a pointer error of Triton's)."""
+    devices = {t.device for t in tensors if t is not None}
+    return f"tensors on several devices ({', '.join(sorted(map(str, devices)))})" if len(devices) > 1 else None
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def summary_rows(kv_heads: int, rows: int, batch: int, cols: int, *, per_head: bool, dtype, device):
+    """A buffer of `rows` summaries (of `cols` numbers) per (batch, kv head), laid out so that mixing them is one
+    GEMM — (rows, B·H_kv·cols) for a shared mixing, (H_kv, rows, B·cols) per head — and its (batch, kv head, row)
+    strides."""
+    shape = (kv_heads, rows, batch, cols) if per_head else (rows, batch, kv_heads, cols)
+    s = _new(*shape, dtype=dtype, device=device)
+    return s, ((cols, rows * batch * cols, batch * cols) if per_head else (kv_heads * cols, cols, s.stride(0)))
+
+
+def mix_rows(far: torch.Tensor, s: torch.Tensor, *, per_head: bool, kv_heads: int, groups: int):
+    """(the mixture far @ s of `summary_rows`' buffer, query heads per row of it): per query head (H, rows', B, cols)
+    for a per-head mixing (H, rows', rows), else per kv head."""
+    rows = far.shape[-1]
+    if per_head:  # (H_kv, g·rows', rows) @ (H_kv, rows, B·cols)
+        return torch.bmm(far.view(kv_heads, groups * far.shape[-2], rows), s.view(kv_heads, rows, -1)), 1
+    return far @ s.view(rows, -1), groups
+
+
+class _RecomputedBackward(torch.autograd.Function):
+    """A forward of Triton launches whose gradients come from running the torch path again (`run_recomputed`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, key_mask, forward, backward):
+        ctx.backward_fn = backward
+        ctx.save_for_backward(q, k, v, mixing, key_mask)
+        return forward(q, k, v, mixing, key_mask)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, mixing, key_mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        grads = ctx.backward_fn(do, q, k, v, mixing, key_mask, needs)
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None)
+
+
+def run_recomputed(forward, backward, q, k, v, mixing, key_mask):
+    """forward(q, k, v, mixing, key_mask) → output; under autograd its gradients are
+    backward(do, q, k, v, mixing, key_mask, needs_grad) → (dq, dk, dv, dmixing), and nothing but the inputs is kept."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
+        return _RecomputedBackward.apply(q, k, v, mixing, key_mask, forward, backward)
+    return forward(q, k, v, mixing, key_mask)
+
+
+def recomputed_grads(torch_impl, do, q, k, v, mixing, layout: BlockLayout, needs_grad, **options):
+    """(dq, dk, dv, dmixing) of torch_impl(q, k, v, mixing, layout, **options), by running it again under
+    `torch.func.vjp` (zeros where `needs_grad` is False)."""
+    def torch_path(q, k, v, mixing):
+        return (torch_impl(q, k, v, mixing, layout, **options),)
+
+    return grads_by_recompute(torch_path, (q, k, v, mixing), (do,), needs_grad)
 
 
 def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale: float, eps: float, key_mask):
@@ -183,24 +236,15 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale
 
     far_rows = m - chunks  # chunks that some query reads as far, and queries' chunks that read far ones
     if far_rows > 0:
-        cols = dim * dv + dim
         dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-        # rows laid out so that the mixture is one GEMM: (M', B·H_kv·cols) shared, (H_kv, M', B·cols) per head
-        shape = (kv_heads, far_rows, batch, cols) if per_head else (far_rows, batch, kv_heads, cols)
-        s = _new(*shape, dtype=dtype, device=q.device)
-        s_strides = (cols, far_rows * batch * cols, batch * cols) if per_head else (kv_heads * cols, cols, s.stride(0))
+        s, sf_strides = summary_rows(kv_heads, far_rows, batch, dim * dv + dim, per_head=per_head, dtype=dtype,
+                                     device=q.device)
         _exact_summaries_kernel[(kv_heads, far_rows, batch)](
             k, v, km, s, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0),
-            *s_strides, n, c, **consts)
+            *sf_strides, n, c, **consts)
         far = mix[..., chunks:, :far_rows].tril().to(dtype)  # m_{i, j} for i − L ≥ j, row i − L
-        if per_head:  # (H_kv, g·M', M') @ (H_kv, M', B·cols) → per query head (H, M', B, cols)
-            sf = torch.bmm(far.view(kv_heads, groups * far_rows, far_rows), s.view(kv_heads, far_rows, -1))
-            far_groups = 1
-        else:
-            sf = far @ s.view(far_rows, -1)
-            far_groups = groups
+        sf, far_groups = mix_rows(far, s, per_head=per_head, kv_heads=kv_heads, groups=groups)
         del s
-        sf_strides = s_strides
     else:
         sf, sf_strides, far_groups = o, (0, 0, 0), 1
     _exact_forward_kernel[(heads, m, batch)](
@@ -211,44 +255,30 @@ def _forward(q, k, v, mixing, layout: BlockLayout, exact_chunks: int, phi, scale
     return o
 
 
-class _ExactFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, mixing, key_mask, options):
-        ctx.options = options
-        ctx.save_for_backward(q, k, v, mixing, key_mask)
-        return _forward(q, k, v, mixing, *options, key_mask)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, mixing, key_mask = ctx.saved_tensors
-        layout, exact_chunks, phi, scale, eps = ctx.options
-        needs = ctx.needs_input_grad[:4]
-        grads = mhla_attention_exact_triton_backward(do, q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi,
-                                                     scale=scale, eps=eps, needs_grad=needs, key_mask=key_mask)
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None)
-
-
 def mhla_attention_exact_triton(q, k, v, mixing, layout: BlockLayout, *, exact_chunks, phi, scale, eps,
                                 key_mask=None):
     """The Triton backend (same contract as `ops.exact_local.mhla_attention_exact_local_torch`)."""
     reason = unsupported_reason(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi, key_mask=key_mask)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    options = (layout, exact_chunks, phi, scale, eps)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
-        return _ExactFunction.apply(q, k, v, mixing, key_mask, options)
-    return _forward(q, k, v, mixing, *options, key_mask)
+    options = dict(exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps)
+
+    def backward(do, q, k, v, mixing, key_mask, needs):
+        return mhla_attention_exact_triton_backward(do, q, k, v, mixing, layout, needs_grad=needs, key_mask=key_mask,
+                                                    **options)
+
+    def forward(q, k, v, mixing, key_mask):
+        return _forward(q, k, v, mixing, layout, exact_chunks, phi, scale, eps, key_mask)
+
+    return run_recomputed(forward, backward, q, k, v, mixing, key_mask)
 
 
 def mhla_attention_exact_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_chunks, phi, scale, eps,
                                          needs_grad, key_mask=None):
     """(dq, dk, dv, dmixing) from the inputs alone: the torch path again under `torch.func.vjp` (zeros where
     `needs_grad` is False)."""
-    def torch_path(q, k, v, mixing):
-        return (mhla_attention_exact_local_torch(q, k, v, mixing, layout, exact_chunks=exact_chunks, phi=phi,
-                                                 scale=scale, eps=eps, key_mask=key_mask),)
-
-    return grads_by_recompute(torch_path, (q, k, v, mixing), (do,), needs_grad)
+    return recomputed_grads(mhla_attention_exact_local_torch, do, q, k, v, mixing, layout, needs_grad,
+                            exact_chunks=exact_chunks, phi=phi, scale=scale, eps=eps, key_mask=key_mask)
 
 
 register("exact", "triton", mhla_attention_exact_triton, supports, mhla_attention_exact_triton_backward)
