@@ -60,9 +60,10 @@ from mhla_convert.train.trainer import Trainer
 RECALL_SPAN = 256  # bytes: beyond the LM's exact region (at most 128 bytes with 2 chunks of 64)
 
 
-def lm_data(directory: Path, context: int, max_train_tokens: int) -> None:
+def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: float = 0.0) -> None:
     """Bytes of the installed transformers package's .py files, packed into rows of `context`; the held-out
-    stream also gives the recall probes."""
+    stream also gives the recall probes. `copy_rows`: that fraction of the training rows (a seeded draw) repeats
+    a span of RECALL_SPAN bytes right after itself, so the original learns to copy from beyond the exact region."""
     import transformers
 
     files = sorted(Path(transformers.__file__).parent.rglob("*.py"))
@@ -72,8 +73,15 @@ def lm_data(directory: Path, context: int, max_train_tokens: int) -> None:
     heldout_rows = 8 * 64 * context  # the validation reads 8 batches of 64
     caps = {"train": max_train_tokens, "heldout": heldout_rows}
     for split, data in streams.items():
-        ids = torch.frombuffer(bytes(data[: caps[split] // context * context]), dtype=torch.uint8).long()
-        save_file({"input_ids": ids.view(-1, context)}, str(directory / f"{split}.safetensors"))
+        ids = torch.frombuffer(bytearray(data[: caps[split] // context * context]), dtype=torch.uint8).long()
+        ids = ids.view(-1, context)
+        if split == "train" and copy_rows and context >= 2 * RECALL_SPAN:
+            g = torch.Generator().manual_seed(1)
+            rows = torch.randperm(len(ids), generator=g)[: int(copy_rows * len(ids))]
+            starts = torch.randint(0, context - 2 * RECALL_SPAN + 1, (len(rows),), generator=g)
+            for row, start in zip(rows.tolist(), starts.tolist()):
+                ids[row, start + RECALL_SPAN : start + 2 * RECALL_SPAN] = ids[row, start : start + RECALL_SPAN]
+        save_file({"input_ids": ids.contiguous()}, str(directory / f"{split}.safetensors"))
     # recall probes from held-out text the validation does not read: a span, then the same span again
     rest = torch.frombuffer(bytes(streams["heldout"][heldout_rows:]), dtype=torch.uint8).long()
     starts = torch.randperm(len(rest) - RECALL_SPAN, generator=torch.Generator().manual_seed(0))[:64]
@@ -377,6 +385,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
     parser.add_argument("--base-steps", type=int, help="steps of the originals' training (default: per miniature)")
     parser.add_argument("--jobs", type=int, default=1, help="variants trained at once, one process each")
+    parser.add_argument("--copy-rows", type=float, default=0.0,
+                        help="LM: fraction of training rows that repeat a 256-byte span, so that the original learns "
+                             "long-range copying and the recall probe separates the designs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
     args = parser.parse_args(argv)
     if args.quick:
@@ -395,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         mini.base_steps = args.base_steps or mini.base_steps
         (args.out / kind / "data").mkdir(parents=True, exist_ok=True)
         if kind == "lm":
-            lm_data(args.out / kind / "data", 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000)
+            lm_data(args.out / kind / "data", 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000,
+                    args.copy_rows)
         else:
             dit_data(args.out / kind / "data", args.quick, mini.config["sample_size"])
     bases = _run_all([(train_base, kind, mini, args.out, args.precision) for kind, mini in minis.items()], args.jobs)
