@@ -505,6 +505,7 @@ def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, torch_dtype=
         raise ValueError(f"checkpoint {directory} does not match its plan: {error}") from None
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
-    restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
+    if torch_dtype is None:  # as saved: outputs match bitwise (as the converted classes' own loaders do)
+        restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
     setattr(model, SOURCE_ATTR, recorded_source(meta))
-    return place_model(model, torch_dtype, device).eval()
+    return place_model(model, torch_dtype, device).eval()  # in another dtype: placement.py's policy

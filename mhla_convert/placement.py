@@ -1,5 +1,17 @@
-"""Where a loaded model's weights go: dtype names, the cast that keeps a model's float32 modules,
-and the device."""
+"""Where a loaded model's weights go: dtype names, the cast that keeps a model's float32 tensors,
+and the device.
+
+One numeric policy for every way a model is cast or loaded in a lower precision (`cast_model`: tiny
+models, `from_pretrained`, models handed to `evaluate`), the one the libraries' own loaders follow, so a
+converted model loads the same through them and through mhla-convert: floating parameters and buffers take
+the dtype asked for, except, kept in float32,
+- the model's `_keep_in_fp32_modules` (diffusers' `from_pretrained(torch_dtype=...)` keeps them, e.g. Wan's
+  RoPE tables and modulation);
+- every MHLA layer's `mixing` (a converted LM's is built in float32, and transformers' loader keeps a
+  parameter in the dtype the model built it with; the few mixing weights cost nothing in float32);
+- a transformers model's buffers it does not save (RoPE `inv_freq`): transformers computes them in float32
+  and its loader leaves them so.
+"""
 
 from __future__ import annotations
 
@@ -40,13 +52,21 @@ def check_device(device) -> None:
 
 
 def _floating_tensors(model: nn.Module):
-    """(module, key, tensor, kept) for every floating parameter and buffer; `kept`: it belongs to
-    one of the model's `_keep_in_fp32_modules`."""
+    """(module, key, tensor, kept) for every floating parameter and buffer; `kept`: it stays in float32 (see
+    the module doc)."""
+    from transformers import PreTrainedModel
+
+    from .layer import MHLAttention
+
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    unsaved_buffers = isinstance(model, PreTrainedModel)
     for module_name, module in model.named_modules():
         for key, tensor in [*module._parameters.items(), *module._buffers.items()]:
             if tensor is not None and tensor.is_floating_point():
-                yield module, key, tensor, bool(keep & set(f"{module_name}.{key}".split(".")))
+                kept = (bool(keep & set(f"{module_name}.{key}".split(".")))
+                        or (isinstance(module, MHLAttention) and key == "mixing")
+                        or (unsaved_buffers and key in module._non_persistent_buffers_set))
+                yield module, key, tensor, kept
 
 
 def _set(module: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -57,18 +77,19 @@ def _set(module: nn.Module, key: str, tensor: torch.Tensor, dtype: torch.dtype) 
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to `dtype`, except the model's `_keep_in_fp32_modules`
-    (what diffusers' `from_pretrained(torch_dtype=...)` does; a plain `.to(dtype)` would cast those
-    too, e.g. Wan's RoPE tables and modulation). Parameters are cast in place, so ties survive."""
+    """Cast floating parameters and buffers to `dtype`, except those kept in float32 (see the module doc;
+    a plain `.to(dtype)` would cast those too). Parameters are cast in place, so ties survive."""
     for module, key, tensor, kept in list(_floating_tensors(model)):
         if not kept:
             _set(module, key, tensor, dtype)
+        elif torch.finfo(tensor.dtype).bits < 32:
+            _set(module, key, tensor, torch.float32)
     return model
 
 
 def keep_fp32_modules(model: nn.Module) -> nn.Module:
-    """Put the model's `_keep_in_fp32_modules` back in float32 where a loader left them in a lower
-    precision (diffusers' `from_single_file` keeps them only for float16)."""
+    """Put the tensors kept in float32 (the model's `_keep_in_fp32_modules`, …) back in float32 where a loader
+    left them in a lower precision (diffusers' `from_single_file` keeps them only for float16)."""
     for module, key, tensor, kept in list(_floating_tensors(model)):
         if kept and torch.finfo(tensor.dtype).bits < 32:
             _set(module, key, tensor, torch.float32)

@@ -371,3 +371,61 @@ def test_an_lm_on_the_hub_loads_by_repo_id(tiny, tmp_path):
     (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
     loaded = AutoModelForCausalLM.from_pretrained("me/lm-mhla", cache_dir=tmp_path / "cache", local_files_only=True)
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
+
+
+# --- one numeric policy in a lower precision -------------------------------------------------------------
+
+
+def _dtypes(model) -> dict[str, torch.dtype]:
+    return {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_both_lm_loaders_agree_in_a_lower_precision(tiny, tmp_path, name, dtype):
+    """mhla-convert's loader and transformers' give one model: mixing and RoPE inv_freq kept in float32."""
+    model, ids = _lm(tiny, name)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    ours, theirs = from_pretrained(path, torch_dtype=dtype), AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    assert _dtypes(ours) == _dtypes(theirs)
+    kept = {k for k, v in _dtypes(ours).items() if v == torch.float32}
+    assert kept == {k for k in kept if k.endswith(("mixing", "inv_freq"))} and any(k.endswith("mixing") for k in kept)
+    assert torch.equal(_logits(ours, ids), _logits(theirs, ids))
+
+
+def test_an_unconverted_plan_in_bf16_is_its_base_model(tiny, tmp_path):
+    """A checkpoint of no converted layers is its base model, loaded in bf16 by either library: no gap in eval."""
+    from mhla_convert import evaluate
+    from mhla_convert.models import load_model
+
+    tiny("tiny-llama").save_pretrained(tmp_path / "base")
+    model = load_model(str(tmp_path / "base"))
+    convert(model, layers=[])
+    path = save_pretrained(model, tmp_path / "ckpt")
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    base = load_model(str(tmp_path / "base"), torch_dtype=torch.bfloat16)
+    assert torch.equal(_logits(from_pretrained(path, torch_dtype=torch.bfloat16), ids), _logits(base, ids))
+    result = evaluate(path, "synthetic", reference=tmp_path / "base", dtype="bf16", batch_size=2, num_batches=1,
+                      passkey_lengths=())
+    assert result["model"]["loss"] == result["reference"]["loss"]
+
+
+def test_a_converted_transformer_loads_alike_in_bf16(tiny, tmp_path):
+    """Diffusers' loaders of a converted transformer are mhla-convert's: one model, mixing kept in float32."""
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    pipeline("dit", model, "tiny-dit").save_pretrained(tmp_path / "pipe")
+    loaded = {
+        "mhla_convert": from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16),
+        "class": type(model).from_pretrained(tmp_path / "pipe", subfolder="transformer", torch_dtype=torch.bfloat16),
+        "pipeline": diffusers.DiffusionPipeline.from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16)
+        .transformer,
+    }
+    torch.manual_seed(0)
+    inputs = adapter_for_model(model).example_inputs(model, GRIDS["tiny-dit"], 2)
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in inputs.items()}
+    expected = _sample(loaded["mhla_convert"], inputs)
+    for how, transformer in loaded.items():
+        kept = {k for k, v in _dtypes(transformer).items() if v == torch.float32}
+        assert kept and all(k.endswith("mixing") for k in kept), how
+        assert torch.equal(_sample(transformer, inputs), expected), how
