@@ -107,6 +107,16 @@ def dit_data(directory: Path, quick: bool, size: int) -> None:
                   str(directory / f"{split}.safetensors"))
 
 
+def write_data(kind: str, mini: Miniature, root: Path, args) -> None:
+    """The data of miniature `kind` in root/kind/data (the same files on every call with the same args)."""
+    directory = root / kind / "data"
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "lm":
+        lm_data(directory, 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000, args.copy_rows)
+    else:
+        dit_data(directory, args.quick, mini.config["sample_size"])
+
+
 # --- the miniatures --------------------------------------------------------------------------------
 
 
@@ -373,26 +383,36 @@ def _run_all(jobs: list[tuple], workers: int) -> list:
         return [f.result() for f in [pool.submit(fn, *a) for fn, *a in jobs]]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kinds", default="lm,dit")
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data and budget of every variant, --jobs and --quick (frontier.py trains with the same)."""
     parser.add_argument("--transfer-steps", type=int, default=100)
     parser.add_argument("--transfer-lr", type=float, default=1e-3)
     parser.add_argument("--finetune-steps", type=int, default=400)
     parser.add_argument("--finetune-lr", type=float, help="default: per miniature")
     parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
     parser.add_argument("--base-steps", type=int, help="steps of the originals' training (default: per miniature)")
     parser.add_argument("--jobs", type=int, default=1, help="variants trained at once, one process each")
     parser.add_argument("--copy-rows", type=float, default=0.0,
                         help="LM: fraction of training rows that repeat a 256-byte span, so that the original learns "
                              "long-range copying and the recall probe separates the designs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
-    args = parser.parse_args(argv)
+
+
+def settle_training(args: argparse.Namespace) -> argparse.Namespace:
+    """--quick's tiny budget, and the training precision of the device."""
     if args.quick:
         args.transfer_steps, args.finetune_steps, args.eval_every = 2, 4, 2
     args.precision = "bf16" if torch.cuda.is_available() else "no"
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--kinds", default="lm,dit")
+    parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
+    add_training_arguments(parser)
+    args = settle_training(parser.parse_args(argv))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kinds = args.kinds.split(",")
     minis = {kind: mini for kind, mini in miniatures(args.quick).items() if kind in kinds}
@@ -404,12 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     tic = time.perf_counter()
     for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
-        (args.out / kind / "data").mkdir(parents=True, exist_ok=True)
-        if kind == "lm":
-            lm_data(args.out / kind / "data", 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000,
-                    args.copy_rows)
-        else:
-            dit_data(args.out / kind / "data", args.quick, mini.config["sample_size"])
+        write_data(kind, mini, args.out, args)
     bases = _run_all([(train_base, kind, mini, args.out, args.precision) for kind, mini in minis.items()], args.jobs)
     results = {}
     for (kind, mini), curve in zip(minis.items(), bases):
