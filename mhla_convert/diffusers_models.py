@@ -24,20 +24,10 @@ from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 from .families import adapter_for_config, families
 from .families.base import CONVERTED_PREFIX
 
-SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")  # device maps over several devices
-
 # Diffusers downloads a hub pipeline's component only from a library it lists as loadable (or with a
 # `<component>/<library>.py` file, which would need trust_remote_code): list this module, whose classes
 # load and save as diffusers models do, so `DiffusionPipeline.from_pretrained("owner/name")` fetches it.
 LOADABLE_CLASSES.setdefault(__name__, {"ModelMixin": ["save_pretrained", "from_pretrained"]})
-
-
-def _device(device_map):
-    """The one device a `device_map` names (None: where the weights are read)."""
-    if isinstance(device_map, dict) or device_map in SPREAD:
-        raise ValueError(f"a converted transformer loads onto one device; got device_map={device_map!r} "
-                         "(pass a device such as 'cuda', or move the model after loading)")
-    return device_map
 
 
 # Options diffusers' loaders pass that leave the loaded model as it is.
@@ -49,10 +39,13 @@ class ConvertedModel:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *, subfolder: str | None = None,
-                        revision: str | None = None, torch_dtype=None, device_map=None, **options):
+                        revision: str | None = None, dtype=None, torch_dtype=None, device_map=None,
+                        token: str | bool | None = None, local_files_only: bool | None = None, cache_dir=None,
+                        **options):
         """The converted transformer saved in a directory or hub repo (`subfolder` of a pipeline),
-        through mhla-convert's strict loader. Options that would change the model (variants,
-        quantization, offloading) are refused rather than ignored."""
+        through mhla-convert's strict loader, with diffusers' names for its options (`dtype` or `torch_dtype`,
+        `device_map` naming one device, the hub's `token`, `local_files_only`, `cache_dir`). Options that would
+        change the model (variants, quantization, offloading) are refused rather than ignored."""
         from .io import from_pretrained
 
         unsupported = {k: v for k, v in options.items()
@@ -60,8 +53,9 @@ class ConvertedModel:
         if unsupported:
             raise ValueError(f"{cls.__name__}.from_pretrained (mhla-convert) does not support "
                              f"{', '.join(f'{k}={v!r}' for k, v in unsupported.items())}")
-        model = from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, revision=revision,
-                                torch_dtype=torch_dtype, device=_device(device_map))
+        model = from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, revision=revision, dtype=dtype,
+                                torch_dtype=torch_dtype, device_map=device_map, token=token,
+                                local_files_only=bool(local_files_only), cache_dir=cache_dir)
         if not isinstance(model, cls):
             raise ValueError(f"{pretrained_model_name_or_path} holds a {type(model).__name__}, not a {cls.__name__}")
         return model

@@ -75,7 +75,7 @@ from .locations import (
     one_line,
     read_json,
 )
-from .placement import check_device, parse_dtype, place_model
+from .placement import loader_device, loader_dtype, place_model
 
 logger = logging.getLogger(__name__)
 
@@ -465,7 +465,7 @@ def _with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
     return state
 
 
-def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None) -> Path:
+def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None, hub: dict[str, Any]) -> Path:
     path = resolve_saved(dir_or_hub_id)
     if path.is_dir():
         return path / subfolder if subfolder else checkpoint_dir(path)
@@ -477,19 +477,26 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None
     try:
         return Path(snapshot_download(
             str(dir_or_hub_id), revision=revision,
-            allow_patterns=[f"{folder}*.json", f"{folder}*.safetensors", f"{folder}*.md"],
+            allow_patterns=[f"{folder}*.json", f"{folder}*.safetensors", f"{folder}*.md"], **hub,
         )) / (subfolder or "")
     except HUB_ERRORS as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
 
 
-def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, torch_dtype=None, device=None,
-                    revision: str | None = None) -> nn.Module:
+def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, dtype=None, torch_dtype=None, device=None,
+                    device_map=None, revision: str | None = None, token: str | bool | None = None,
+                    local_files_only: bool = False, cache_dir=None) -> nn.Module:
     """Rebuild exactly the converted model saved by `save_pretrained` (a directory or hub id; for a
-    pipeline directory its transformer/, or the given `subfolder`)."""
-    check_device(device)
-    parse_dtype(torch_dtype)
-    directory = _local_checkpoint(dir_or_hub_id, revision, subfolder)
+    pipeline directory its transformer/, or the given `subfolder`).
+
+    The libraries' loader options: `dtype` ("bf16", torch.bfloat16; "auto" or None: as saved; `torch_dtype` is
+    its older name), `device_map` (one device: "cuda", 0 or {"": "cuda"}; the same as `device`), and for a hub
+    id `revision`, `token`, `local_files_only` and `cache_dir`, as huggingface_hub takes them."""
+    torch_dtype = loader_dtype(dtype, torch_dtype)
+    device = loader_device(device, device_map)
+    hub = {k: v for k, v in (("token", token), ("local_files_only", local_files_only), ("cache_dir", cache_dir))
+           if v not in (None, False)}
+    directory = _local_checkpoint(dir_or_hub_id, revision, subfolder, hub)
     meta = read_mhla_config(directory)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
         try:

@@ -15,7 +15,7 @@ import math
 import re
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from .locations import (
     hub_unreachable,
     read_json,
 )
-from .placement import check_device, keep_fp32_modules, parse_dtype, place_model
+from .placement import check_device, keep_fp32_modules, loader_device, loader_dtype, parse_dtype, place_model
 
 # The weight files diffusers' `from_pretrained` reads by default (no variant), single or sharded.
 DIFFUSERS_WEIGHTS = re.compile(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors")
@@ -83,6 +83,7 @@ class Source:
     config: dict[str, Any] | None = None  # the base model's config (not for tiny / converted)
     files: frozenset[str] = frozenset()  # the files of the model directory or hub repo (not for tiny / converted)
     config_source: str | None = None  # single_file: the directory or hub id its config came from
+    hub: dict[str, Any] = field(default_factory=dict, repr=False)  # token, local_files_only, cache_dir (hub_options)
 
     def describe(self) -> str:
         where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
@@ -114,27 +115,49 @@ def _local_source(path: Path, subfolder: str | None = None) -> Source:
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
 
 
-def _hub_source(repo_id: str, revision: str | None, subfolder: str | None = None) -> Source:
-    from huggingface_hub import HfApi, hf_hub_download
+def hub_options(token=None, local_files_only: bool = False, cache_dir=None) -> dict[str, Any]:
+    """The hub options the libraries' loaders and huggingface_hub take alike, those set."""
+    return {k: v for k, v in (("token", token), ("local_files_only", local_files_only), ("cache_dir", cache_dir))
+            if v not in (None, False)}
 
+
+def _hub_files(repo_id: str, revision: str | None, hub: dict[str, Any]) -> tuple[set[str], str]:
+    """A hub repo's files and the commit `revision` names: from the Hub, or with local_files_only from the
+    local cache (the files downloaded of that commit)."""
+    if hub.get("local_files_only"):
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo_id, revision=revision, **hub))
+        return {f.relative_to(folder).as_posix() for f in folder.rglob("*") if f.is_file()}, folder.name
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo_id, revision=revision, token=hub.get("token"))
+    return {s.rfilename for s in info.siblings or []}, info.sha
+
+
+def _hub_source(repo_id: str, revision: str | None, subfolder: str | None = None,
+                hub: dict[str, Any] | None = None) -> Source:
+    from huggingface_hub import hf_hub_download
+
+    hub = hub or {}
     try:
-        info = HfApi().model_info(repo_id, revision=revision)
-        files = {s.rfilename for s in info.siblings or []}
+        files, sha = _hub_files(repo_id, revision, hub)
         if subfolder is None and MHLA_CONFIG in files:
-            return Source("converted", repo_id, revision=info.sha)
+            return Source("converted", repo_id, revision=sha, hub=hub)
         if subfolder is not None and f"{subfolder}/config.json" not in files:
             raise ValueError(f"hub model {repo_id} has no {subfolder}/config.json: check --subfolder")
         if subfolder is None and "model_index.json" in files:
             subfolder = PIPELINE_SUBFOLDER
             if f"{subfolder}/{MHLA_CONFIG}" in files:  # a pipeline holding a converted transformer
-                return Source("converted", repo_id, subfolder, info.sha)
-        config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=info.sha)
+                return Source("converted", repo_id, subfolder, sha, hub=hub)
+        config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=sha, **hub)
     except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
-    return Source("hub", repo_id, subfolder, info.sha, json.loads(Path(config_file).read_text()), frozenset(files))
+    return Source("hub", repo_id, subfolder, sha, json.loads(Path(config_file).read_text()), frozenset(files), hub=hub)
 
 
-def _single_file_source(path: Path, config: str | None, subfolder: str | None, revision: str | None) -> Source:
+def _single_file_source(path: Path, config: str | None, subfolder: str | None, revision: str | None,
+                        hub: dict[str, Any]) -> Source:
     """A weights file: its family from `config` (a model or pipeline directory, or hub id), or
     from the hub repo diffusers' `fetch_diffusers_config` picks for the weights."""
     if path.suffix not in SINGLE_FILE_SUFFIXES:
@@ -144,18 +167,20 @@ def _single_file_source(path: Path, config: str | None, subfolder: str | None, r
         from diffusers.loaders.single_file_utils import fetch_diffusers_config, load_single_file_checkpoint
 
         config = fetch_diffusers_config(load_single_file_checkpoint(str(path)))["pretrained_model_name_or_path"]
-    found = resolve(config, revision=revision, subfolder=subfolder)
+    found = resolve(config, revision=revision, subfolder=subfolder, **hub)
     if found.kind not in ("local", "hub"):
         raise ValueError(f"--config {config} is {found.describe()}; give the base model's directory or hub id")
     return Source("single_file", str(path), found.subfolder, found.revision, found.config,
-                  config_source=found.location)
+                  config_source=found.location, hub=hub)
 
 
 def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = None,
-            config: str | None = None) -> Source:
+            config: str | None = None, token=None, local_files_only: bool = False, cache_dir=None) -> Source:
     """A tiny name, alias, local directory, hub id or weights file → where and what to load.
     `subfolder`: the model's folder inside a directory or hub repo; `config`: for a weights file,
-    the directory or hub id of its config."""
+    the directory or hub id of its config; `token`, `local_files_only`, `cache_dir`: for the Hub, as
+    huggingface_hub and the libraries' loaders take them."""
+    hub = hub_options(token, local_files_only, cache_dir)
     if spec in tiny_models():
         if subfolder is not None or config is not None:
             raise ValueError(f"{spec} is a built-in tiny model: it has no subfolders and needs no --config")
@@ -165,7 +190,7 @@ def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = N
 
     path = resolve_saved(spec)  # a save cut off between its two renames is settled first
     if path.is_file():
-        return _single_file_source(path, config, subfolder, revision)
+        return _single_file_source(path, config, subfolder, revision, hub)
     if config is not None:
         raise ValueError("--config is for single-file checkpoints (a weights file); a directory or hub id has its own")
     if path.exists():
@@ -174,17 +199,21 @@ def resolve(spec: str, *, revision: str | None = None, subfolder: str | None = N
         raise ValueError(f"{spec}: no such directory")
     if not HUB_ID.match(spec):
         raise ValueError(f"{spec!r} is neither an alias (see `mhla-convert list`), a directory nor a hub id")
-    return _hub_source(spec, revision, subfolder)
+    return _hub_source(spec, revision, subfolder, hub)
 
 
-def load_model(spec: str, torch_dtype=None, device=None, *, revision: str | None = None,
-               subfolder: str | None = None, config: str | None = None) -> nn.Module:
+def load_model(spec: str, torch_dtype=None, device=None, *, dtype=None, device_map=None, revision: str | None = None,
+               subfolder: str | None = None, config: str | None = None, token=None, local_files_only: bool = False,
+               cache_dir=None) -> nn.Module:
     """Load a base model (or an MHLA checkpoint) from a tiny name, alias, directory, hub id or
-    weights file (see `resolve`)."""
-    check_device(device)
-    parse_dtype(torch_dtype)
-    return load_source(resolve(spec, revision=revision, subfolder=subfolder, config=config),
-                       torch_dtype=torch_dtype, device=device)
+    weights file (see `resolve`), with the libraries' loader options: `dtype` (or its older name
+    `torch_dtype`; "auto" or None: as stored), `device_map` naming one device (or `device`), and `revision`,
+    `subfolder`, `token`, `local_files_only`, `cache_dir`, passed on to transformers' or diffusers' loader."""
+    torch_dtype = loader_dtype(dtype, torch_dtype)
+    device = loader_device(device, device_map)
+    source = resolve(spec, revision=revision, subfolder=subfolder, config=config, token=token,
+                     local_files_only=local_files_only, cache_dir=cache_dir)
+    return load_source(source, torch_dtype=torch_dtype, device=device)
 
 
 def meta_model(adapter, config: dict[str, Any]) -> nn.Module:
@@ -213,7 +242,7 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         from .io import from_pretrained
 
         return from_pretrained(source.location, subfolder=source.subfolder, torch_dtype=torch_dtype, device=device,
-                               revision=source.revision)
+                               revision=source.revision, **source.hub)
     adapter = adapter_for_config(source.config)
     # transformers keeps the stored dtype by itself (dtype="auto"); diffusers loads float32 unless told
     dtype = parse_dtype(torch_dtype) or (stored_dtype(source) if adapter.library == "diffusers" else None)
@@ -225,7 +254,7 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
             ("torch_dtype", dtype),
         )
         if v is not None
-    }
+    } | source.hub
     try:
         if source.kind == "single_file":
             model = adapter.load_single_file(source.location, config=source.config_source, **kwargs)
@@ -267,11 +296,15 @@ def stored_dtype(source: Source) -> torch.dtype | None:
         if source.kind == "local":
             counts.update(_local_parameter_count(Path(source.location) / name))
             continue
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, hf_hub_download
 
         try:
+            if source.hub.get("local_files_only"):  # the cached file's header
+                counts.update(_local_parameter_count(Path(hf_hub_download(
+                    source.location, name, revision=source.revision, **source.hub))))
+                continue
             counts.update(HfApi().parse_safetensors_file_metadata(
-                source.location, name, revision=source.revision).parameter_count)
+                source.location, name, revision=source.revision, token=source.hub.get("token")).parameter_count)
         except HUB_ERRORS as error:
             raise hub_unreachable(source.location, error) from error
     floating = [(count, name) for name, count in counts.items() if name in SAFETENSORS_DTYPES]
@@ -293,10 +326,12 @@ def save_companions(source: Source, directory) -> list[str]:
     saved = []
     try:
         if any(name in source.files for name in TOKENIZER_FILES):
-            AutoTokenizer.from_pretrained(source.location, revision=source.revision).save_pretrained(directory)
+            AutoTokenizer.from_pretrained(source.location, revision=source.revision, **source.hub).save_pretrained(
+                directory)
             saved.append("tokenizer")
         if GENERATION_CONFIG in source.files:
-            GenerationConfig.from_pretrained(source.location, revision=source.revision).save_pretrained(directory)
+            GenerationConfig.from_pretrained(source.location, revision=source.revision, **source.hub).save_pretrained(
+                directory)
             saved.append("generation config")
     except TRANSPORT_ERRORS as error:
         raise hub_unreachable(source.location, error) from error

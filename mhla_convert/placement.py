@@ -32,6 +32,36 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype.lower()]
 
 
+def loader_dtype(dtype=None, torch_dtype=None) -> torch.dtype | None:
+    """The one dtype a loader is asked for: `dtype=` (transformers' and diffusers' name now) or `torch_dtype=`
+    (their older one), as a torch dtype; None or "auto": as saved."""
+    dtype, torch_dtype = (None if d == "auto" else parse_dtype(d) for d in (dtype, torch_dtype))
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; give one (torch_dtype is the older "
+                         "name of dtype)")
+    return dtype if dtype is not None else torch_dtype
+
+
+SPREAD = ("auto", "balanced", "balanced_low_0", "sequential")  # device maps over several devices
+
+
+def loader_device(device=None, device_map=None):
+    """The one device a loader is asked for: `device=`, or the one device a `device_map` names (a device,
+    a GPU index or {"": device}); a map spreading the model over several devices is refused."""
+    check_device(device)
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if isinstance(device_map, dict) or (isinstance(device_map, str) and device_map in SPREAD):
+        raise ValueError(f"an MHLA model loads onto one device; got device_map={device_map!r} (pass a device such "
+                         "as 'cuda', or move the model after loading)")
+    if isinstance(device_map, int) and not isinstance(device_map, bool):
+        device_map = torch.device("cuda", device_map)
+    if device is not None and device_map is not None and torch.device(device) != torch.device(device_map):
+        raise ValueError(f"device={device!r} and device_map={device_map!r} disagree; give one")
+    check_device(device_map)
+    return device if device is not None else device_map
+
+
 def check_device(device) -> None:
     """Refuse a device name torch does not know, or an accelerator this machine does not have,
     before anything loads (None: the caller's default)."""

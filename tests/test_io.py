@@ -184,3 +184,97 @@ def test_reload_on_the_gpu_is_bitwise_identical(tiny, run_model, tmp_path, name,
     expected = run_model(model, inputs)
     assert torch.equal(run_model(from_pretrained(path, device="cuda"), inputs), expected)
     assert torch.equal(run_model(type(model).from_pretrained(path).cuda(), inputs), expected)
+
+
+# --- the libraries' loader options ---------------------------------------------------------------------
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _in_hub_cache(folder, cache, repo_id: str) -> str:
+    """`folder` as the cached snapshot of hub repo `repo_id` (its main branch) under `cache`: what
+    huggingface_hub and the libraries read with local_files_only."""
+    import shutil
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / SHA)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    return SHA
+
+
+def _lm_ids(model):
+    return torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def test_from_pretrained_takes_the_libraries_option_names(tiny, run_model, tmp_path):
+    model = tiny("tiny-llama")
+    convert(model, ratio=0.5)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    ids = {"input_ids": _lm_ids(model)}
+    half = run_model(from_pretrained(path, torch_dtype="bf16"), ids)
+    for options in (dict(dtype=torch.bfloat16), dict(dtype="bf16", torch_dtype=torch.bfloat16),
+                    dict(dtype=torch.bfloat16, device_map="cpu"), dict(dtype="bf16", device_map={"": "cpu"}),
+                    dict(dtype="bf16", device="cpu", device_map=torch.device("cpu"))):
+        loaded = from_pretrained(path, **options)
+        assert loaded.lm_head.weight.dtype == torch.bfloat16, options
+        assert torch.equal(run_model(loaded, ids), half), options
+    assert torch.equal(run_model(from_pretrained(path, dtype="auto"), ids), run_model(model, ids))  # as saved
+    for options, message in ((dict(dtype="bf16", torch_dtype="fp16"), "disagree; give one"),
+                             (dict(dtype="int8"), "dtype must be one of"),
+                             (dict(device_map="auto"), "loads onto one device; got device_map='auto'"),
+                             (dict(device_map={"model": "cpu", "lm_head": "cpu"}), "loads onto one device"),
+                             (dict(device="cpu", device_map="meta"), "device='cpu' and device_map='meta' disagree")):
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(path, **options)
+
+
+def test_a_converted_transformer_class_takes_dtype(tiny, run_model, tmp_path):
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    loaded = type(model).from_pretrained(path, dtype=torch.bfloat16, device_map="cpu", token=None,
+                                         local_files_only=True)
+    assert loaded.pos_embed.proj.weight.dtype == torch.bfloat16 and type(loaded) is type(model)
+    assert torch.equal(run_model(loaded, _inputs(loaded, "tiny-dit")),
+                       run_model(from_pretrained(path, torch_dtype=torch.bfloat16), _inputs(loaded, "tiny-dit")))
+
+
+def test_hub_options_reach_the_libraries_loaders(tiny, run_model, tmp_path, monkeypatch):
+    """Offline, from a hub cache: `revision`, `token`, `local_files_only` and `cache_dir` are passed on."""
+    import transformers
+
+    cache = tmp_path / "cache"
+    base = tiny("tiny-llama")
+    base.save_pretrained(tmp_path / "base")
+    sha = _in_hub_cache(tmp_path / "base", cache, "me/tiny-base")
+    converted = tiny("tiny-llama")
+    convert(converted, ratio=0.5)
+    _in_hub_cache(save_pretrained(converted, tmp_path / "ckpt"), cache, "me/tiny-mhla")
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    hub = dict(token="hf_not_sent", local_files_only=True, cache_dir=cache)
+    loaded = load_model("me/tiny-base", dtype="bf16", revision="main", **hub)
+    assert seen == [dict(revision=sha, dtype=torch.bfloat16, **hub)]
+    assert loaded.lm_head.weight.dtype == torch.bfloat16 and loaded.mhla_source["base_model"] == "me/tiny-base"
+    ids = {"input_ids": _lm_ids(converted)}
+    expected = run_model(converted, ids)
+    for load in (from_pretrained, load_model):
+        assert torch.equal(run_model(load("me/tiny-mhla", revision=sha, **hub), ids), expected), load
+    with pytest.raises(OSError, match="me/elsewhere"):  # not in the cache: nothing is fetched
+        load_model("me/elsewhere", **hub)
+
+
+def test_a_diffusers_model_from_a_hub_cache_keeps_its_stored_dtype(tiny, tmp_path):
+    cache = tmp_path / "cache"
+    tiny("tiny-dit", torch_dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
+    _in_hub_cache(tmp_path / "base", cache, "me/tiny-dit")
+    loaded = load_model("me/tiny-dit", local_files_only=True, cache_dir=cache)  # its dtype from the cached header
+    assert loaded.pos_embed.proj.weight.dtype == torch.bfloat16
+    assert load_model("me/tiny-dit", dtype="float32", local_files_only=True, cache_dir=cache).dtype == torch.float32
