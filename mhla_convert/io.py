@@ -100,7 +100,10 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         raise ValueError("this model is not converted: run mhla_convert.convert(model, ...) before saving it")
     adapter = adapter_for_family(plan["family"])
     source = getattr(model, SOURCE_ATTR, None) or {}
-    base_class = next(c for c in type(model).__mro__ if c.__name__ in adapter.model_classes)
+    base_class = next((c for c in type(model).__mro__ if c.__name__ in adapter.model_classes), None)
+    if base_class is None:  # e.g. a converted LM's base model alone, as AutoModel loads it
+        raise ValueError(f"a {type(model).__name__} is part of a converted {adapter.name} model, not a whole one: "
+                         f"save the model it came from ({', '.join(adapter.model_classes)})")
     return {
         "format_version": FORMAT_VERSION,
         "mhla_convert_version": _package_version(),

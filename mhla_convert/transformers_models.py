@@ -2,7 +2,9 @@
 
 A converted LM is an instance of `MHLA<base class>` (e.g. `MHLALlamaForCausalLM`, a subclass of
 `LlamaForCausalLM`) with a config of `MHLA<base config class>`, whose `model_type` is `mhla_<base
-type>`. Both are registered with transformers' Auto classes when mhla_convert is imported. The config
+type>`. Both are registered with transformers' Auto classes when mhla_convert is imported, and so is
+`MHLA<base model class>` (`MHLALlamaModel`) for `AutoModel`: the converted layers without the LM head,
+read from the same checkpoint (the head's weights are left out, as transformers does for its own). The config
 carries the conversion record under "mhla"; `__init__` redoes that plan on the freshly built base
 architecture, so transformers' own loader fills in exactly the saved weights (any missing or
 unexpected key is an error). A saved directory also holds `mhla_loader.py`, named by the config's
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .families import adapter_for_family
 from .families.base import CONVERTED_PREFIX
@@ -98,6 +100,61 @@ class ConvertedCausalLM:
         into every save: a saved converted model carries `mhla_loader.py` instead."""
 
 
+class ConvertedBaseModel:
+    """What the base model class of a converted LM (`MHLALlamaModel`: its layers without the LM head, what
+    `AutoModel` loads) adds to its base class: the saved plan's layers converted at build. It loads only;
+    the whole model (`AutoModelForCausalLM`, `mhla_convert.from_pretrained`) is what saves and trains."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        meta = getattr(config, "mhla", None)
+        if not meta:
+            raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
+                             "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
+        from .convert import PLAN_ATTR
+        from .families.llama import MHLALlamaAttention
+        from .io import recorded_source
+        from .layer import MHLAConfig
+        from .locations import SOURCE_ATTR
+
+        mhla = MHLAConfig.from_dict(meta["mhla"])  # as resolved at conversion: every option is recorded
+        for index in meta["plan"]["layers"]:  # the whole model's convert_layer, on its base model's layers
+            self.layers[index].self_attn = MHLALlamaAttention(self.layers[index].self_attn, mhla)
+        setattr(self, PLAN_ATTR, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
+        setattr(self, SOURCE_ATTR, recorded_source(meta))
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loader, made strict as the whole model's is; the LM head's weights alone are left out."""
+        from .io import resolve_saved, restore_buffer_dtypes
+
+        if args and isinstance(args[0], (str, os.PathLike)):
+            resolve_saved(args[0])  # a save cut off between its two renames is settled first
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        info = {**info, "unexpected_keys": {k for k in info.get("unexpected_keys") or () if not k.startswith(HEAD)}}
+        wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+        if wrong:
+            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not match its MHLA plan: {wrong}")
+        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):  # as saved: outputs match bitwise
+            prefix = f"{model.base_model_prefix}."
+            restore_buffer_dtypes(model, {name.removeprefix(prefix): dtype for name, dtype
+                                          in model.config.mhla.get("buffer_dtypes", {}).items()})
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, *args, **kwargs):
+        raise ValueError(f"a {type(self).__name__} (a converted LM's layers without its head, as AutoModel loads "
+                         "them) does not save on its own: load the checkpoint with AutoModelForCausalLM or "
+                         "mhla_convert.from_pretrained to save it")
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModel"):
+        """Kept out of transformers' remote-code bookkeeping (see ConvertedCausalLM)."""
+
+
+HEAD = "lm_head."  # the weights of a converted LM that its base model class leaves out
+
+
 def _weights_file(config) -> str | None:
     """The weights file transformers' loader reads for this config (its `transformers_weights`): the index of
     the name only converted classes read, or for a checkpoint saved before that name, transformers' own."""
@@ -107,7 +164,11 @@ def _weights_file(config) -> str | None:
     return weights_index(WEIGHTS_PREFIX["transformers"]) if record.get("format_version", 0) >= 3 else None
 
 
-def _converted(base_model: type) -> tuple[type, type]:
+def _converted(base_model: type) -> tuple[type, type, type]:
+    """The converted config, LM and base model (AutoModel) classes of a causal LM class."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
     base_config = base_model.config_class
     config_name, model_name = CONVERTED_PREFIX + base_config.__name__, CONVERTED_PREFIX + base_model.__name__
     config = type(config_name, (base_config,), {
@@ -119,7 +180,12 @@ def _converted(base_model: type) -> tuple[type, type]:
     model = type(model_name, (ConvertedCausalLM, base_model), {
         "__module__": __name__, "__qualname__": model_name, "config_class": config,
     })
-    return config, model
+    bare_base = getattr(transformers, MODEL_MAPPING_NAMES[base_config.model_type])
+    bare_name = CONVERTED_PREFIX + bare_base.__name__
+    bare = type(bare_name, (ConvertedBaseModel, bare_base), {
+        "__module__": __name__, "__qualname__": bare_name, "config_class": config,
+    })
+    return config, model, bare
 
 
 def _register() -> dict[str, tuple[type, type]]:
@@ -127,10 +193,13 @@ def _register() -> dict[str, tuple[type, type]]:
 
     classes = {}
     for name in adapter_for_family(FAMILY).model_classes:
-        config, model = classes[name] = _converted(getattr(transformers, name))
+        config, model, bare = _converted(getattr(transformers, name))
+        classes[name] = config, model
         AutoConfig.register(config.model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
-        globals().update({config.__name__: config, model.__name__: model})
+        AutoModel.register(config, bare, exist_ok=True)
+        BASE_MODELS[name] = bare
+        globals().update({cls.__name__: cls for cls in (config, model, bare)})
     _register_peft_targets([config.model_type for config, _ in classes.values()])
     return classes
 
@@ -151,8 +220,10 @@ def _register_peft_targets(model_types: list[str]) -> None:
                 table.setdefault(model_type, table[host])
 
 
+BASE_MODELS: dict[str, type] = {}  # base class name -> converted base model class (AutoModel)
 CONVERTED = _register()  # base class name -> (config class, model class)
-__all__ = sorted(cls.__name__ for pair in CONVERTED.values() for cls in pair)
+__all__ = sorted([cls.__name__ for pair in CONVERTED.values() for cls in pair]
+                 + [cls.__name__ for cls in BASE_MODELS.values()])
 
 
 def mark_converted(model: nn.Module) -> None:
@@ -161,7 +232,8 @@ def mark_converted(model: nn.Module) -> None:
     config, converted = CONVERTED[base.__name__]
     model.__class__, model.config.__class__ = converted, config
     model.config.auto_map = {"AutoConfig": f"{LOADER_MODULE}.{config.__name__}",
-                             "AutoModelForCausalLM": f"{LOADER_MODULE}.{converted.__name__}"}
+                             "AutoModelForCausalLM": f"{LOADER_MODULE}.{converted.__name__}",
+                             "AutoModel": f"{LOADER_MODULE}.{BASE_MODELS[base.__name__].__name__}"}
 
 
 def base_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -429,3 +429,62 @@ def test_a_converted_transformer_loads_alike_in_bf16(tiny, tmp_path):
         kept = {k for k, v in _dtypes(transformer).items() if v == torch.float32}
         assert kept and all(k.endswith("mixing") for k in kept), how
         assert torch.equal(_sample(transformer, inputs), expected), how
+
+
+# --- AutoModel: a converted LM's layers without its head ------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LMS)
+def test_auto_model_loads_a_converted_lm_without_its_head(tiny, tmp_path, name):
+    from transformers import AutoModel
+
+    model, ids = _lm(tiny, name)
+    path = save_pretrained(model, tmp_path / "ckpt")
+    bare = AutoModel.from_pretrained(path)
+    assert type(bare).__name__ == "MHLA" + type(tiny(name).model).__name__
+    assert isinstance(bare, type(tiny(name).model)) and bare.mhla_plan["layers"] == model.mhla_plan["layers"]
+    assert [n for n, _ in mhla_layers(bare)] == [n.removeprefix("model.") for n, _ in mhla_layers(model)]
+    with torch.no_grad():
+        assert torch.equal(bare(ids).last_hidden_state, model.model(ids).last_hidden_state)
+        half, whole = AutoModel.from_pretrained(path, dtype=torch.bfloat16), from_pretrained(path, dtype="bf16")
+        assert torch.equal(half(ids).last_hidden_state, whole.model(ids).last_hidden_state)
+    with pytest.raises(ValueError, match="does not save on its own: load the checkpoint with AutoModelForCausalLM"):
+        bare.save_pretrained(tmp_path / "bare")
+    with pytest.raises(ValueError, match="part of a converted llama model, not a whole one"):
+        save_pretrained(bare, tmp_path / "bare")
+
+
+def test_auto_classes_load_in_a_fresh_process_whatever_the_import_order(tiny, tmp_path):
+    """The Auto classes imported before mhla_convert still see its registrations; without importing it,
+    trust_remote_code=True reaches both through the checkpoint's auto_map."""
+    from transformers import AutoModel
+
+    model, ids = _lm(tiny)
+    path = save_pretrained(model, tmp_path / "lm")
+    with torch.no_grad():
+        hidden = model.model(ids).last_hidden_state
+    torch.save({"ids": ids, "logits": _logits(model, ids), "hidden": hidden}, tmp_path / "expected.pt")
+    check = f"""
+        expected = torch.load({str(tmp_path / "expected.pt")!r})
+        with torch.no_grad():
+            lm = AutoModelForCausalLM.from_pretrained({str(path)!r}, **options)
+            bare = AutoModel.from_pretrained({str(path)!r}, **options)
+            print(type(lm).__name__, type(bare).__name__, "mhla_convert" in sys.modules,
+                  torch.equal(lm(expected["ids"]).logits, expected["logits"]),
+                  torch.equal(bare(expected["ids"]).last_hidden_state, expected["hidden"]))
+    """
+    imported_after = _run_python("""
+        import sys, torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        import mhla_convert
+        options = {}
+    """ + check, tmp_path, block_mhla=False)
+    trusted = _run_python("""
+        import sys, torch
+        from transformers import AutoModel, AutoModelForCausalLM
+        options = {"trust_remote_code": True}
+    """ + check, tmp_path, block_mhla=False)
+    want = ["MHLALlamaForCausalLM", "MHLALlamaModel", "True", "True", "True"]
+    for result in (imported_after, trusted):
+        assert result.stdout.split() == want, result.stdout + result.stderr
+    assert isinstance(AutoModel.from_pretrained(path), type(tiny("tiny-llama").model))
