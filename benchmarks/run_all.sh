@@ -53,11 +53,20 @@ step whole_models_kernels.txt "$py" benchmarks/wan_forward.py --model dit --comp
 for model in llama qwen3; do  # both into lm_generate.json and .md
     step "lm_generate_$model.txt" "$py" benchmarks/lm_generate.py --models "$model" --out "$out"
 done
+runs_ok=1  # fidelity-runs/ (the trained models) stays for a look when either of the two fails
 echo "== $py benchmarks/fidelity.py > fidelity.txt"
 if "$py" benchmarks/fidelity.py --jobs 15 --out "$out/fidelity-runs" > "$out/fidelity.txt" 2>&1; then
-    cp "$out"/fidelity-runs/fidelity{,_summary}.json "$out"/fidelity-runs/fidelity.{md,png} "$out"/ && rm -rf "$out/fidelity-runs"
+    cp "$out"/fidelity-runs/fidelity{,_summary}.json "$out"/fidelity-runs/fidelity.{md,png} "$out"/
 else
-    echo "   failed"; failed=1
+    echo "   failed"; failed=1; runs_ok=0
 fi
+# into fidelity's directory: the frontier's hybrids train from the originals fidelity.py trained there
+echo "== $py benchmarks/frontier.py > frontier.txt"
+if "$py" benchmarks/frontier.py --jobs 8 --out "$out/fidelity-runs" > "$out/frontier.txt" 2>&1; then
+    cp "$out"/fidelity-runs/frontier.{json,md,png} "$out"/
+else
+    echo "   failed"; failed=1; runs_ok=0
+fi
+[ $runs_ok = 1 ] && rm -rf "$out/fidelity-runs"
 echo "results in $out"
 exit $failed

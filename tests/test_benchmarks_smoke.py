@@ -204,3 +204,62 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
     levels = summary["dit"]["by_noise_level"]
     assert set(levels["full"]) == {"50", "150", "300", "450", "700", "900"} and levels["original"]["50"] == 0
     assert (tmp_path / "fidelity.md").read_text().count("| variant |") >= 3
+
+
+def test_frontier_quick_fills_a_row_per_ratio(load, tmp_path):
+    """The speed-quality frontier's CPU smoke run: a row per ratio with every column (both miniatures' gaps,
+    Wan and LM speed-ups) filled, in frontier.json and frontier.md; a later run of one part keeps the others."""
+    frontier = load("frontier")
+    frontier.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "frontier.json").read_text())
+    assert [row["ratio"] for row in saved["frontier"]] == [0.25, 0.5, 0.75, 1.0]
+    keys = [f"{part}:{key}" for _, part, key in frontier.columns(saved)]
+    assert len(keys) == 8 and not frontier.errors(saved)
+    for row in saved["frontier"]:
+        assert all(isinstance(row[key], float) for key in keys), row
+        assert set(row["layers"]) == {"DiT", "LM", "Wan", "Llama"}
+    for kind in ("lm", "dit"):  # strategy auto, 4 layers: 1, 2, 3, 4 of them
+        ratios = saved["quality"][kind]["ratios"]
+        assert [len(ratios[str(r)]["converted_layers"]) for r in frontier.RATIOS] == [1, 2, 3, 4]
+        assert all(v["conversion"]["strategy"] == "auto" and v["step0"] is not None and v["transfer"] is not None
+                   for v in ratios.values())
+    command = f"python benchmarks/frontier.py --quick --out {tmp_path}"
+    assert {part: env["command"] for part, env in saved["runs"].items()} == dict.fromkeys(["quality", "wan", "lm"],
+                                                                                         command)
+    assert all(env["gpu"] == "cpu" and env["dtype"] and env["torch"] and env["date"] for env in saved["runs"].values())
+    table = [line for line in (tmp_path / "frontier.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == 5 and all(len(line.split("|")) == 12 for line in table)
+    assert "—" not in "".join(table[1:])
+    assert [line.split(" | ")[:2] for line in table[1:]] == [
+        [f"| {ratio}", f"DiT {n}/4, LM {n}/4, Wan {wan}/3, Llama {llama}/2"]
+        for ratio, n, wan, llama in ((0.25, 1, 1, 0), (0.5, 2, 2, 1), (0.75, 3, 2, 2), (1.0, 4, 3, 2))]
+
+    frontier.main(["--quick", "--parts", "wan", "--out", str(tmp_path)])
+    again = json.loads((tmp_path / "frontier.json").read_text())
+    assert again["quality"] == saved["quality"] and again["lm"] == saved["lm"]
+    assert again["runs"]["wan"]["command"].endswith("--parts wan --out " + str(tmp_path))
+
+
+@pytest.mark.parametrize("argv, message", [(["--quick", "--parts", "speed,sound"], "--parts"),
+                                           (["--parts", "wan"], "need a CUDA GPU")])
+def test_frontier_bad_arguments(load, argv, message, tmp_path, capsys):
+    if "--quick" not in argv and torch.cuda.is_available():
+        pytest.skip("checks the error without a GPU")
+    with pytest.raises(SystemExit) as exit_:
+        load("frontier").main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_frontier_records_a_failing_part_and_runs_the_others(load, tmp_path, monkeypatch):
+    frontier = load("frontier")
+
+    def broken(args, save):
+        raise RuntimeError("out of memory | here")
+
+    monkeypatch.setattr(frontier, "wan_speed", broken)
+    with pytest.raises(SystemExit, match="failed: wan"):
+        frontier.main(["--quick", "--parts", "speed", "--new-tokens", "3", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "frontier.json").read_text())
+    assert saved["runs"]["wan"]["error"] == "RuntimeError: out of memory | here" and saved["wan"] is None
+    assert all(isinstance(row["lm:decode:128"], float) for row in saved["frontier"])
+    assert "wan: " in (text := (tmp_path / "frontier.md").read_text()) and "FAILED: RuntimeError" in text
