@@ -8,7 +8,9 @@ model_index.json as ["mhla_convert.diffusers_models", "MHLAWanTransformer3DModel
 loader (`io.from_pretrained`). Diffusers resolves a library outside its own only once the process has
 imported it, so without `import mhla_convert` such a pipeline fails to load, naming this module. The
 weights are saved as model*.safetensors, which diffusers' stock loader does not read: the base class's
-own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax attention.
+own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax attention, and
+once mhla_convert is imported it says the folder is an MHLA checkpoint and what loads it
+(`io.guard_base_loader`; transformers_models.py does the same for the LM classes).
 
 Saved pipelines name this module and these classes: they must keep their names.
 """
@@ -23,6 +25,7 @@ from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 
 from .families import adapter_for_config, families
 from .families.base import CONVERTED_PREFIX
+from .io import guard_base_loader
 
 # Diffusers downloads a hub pipeline's component only from a library it lists as loadable (or with a
 # `<component>/<library>.py` file, which would need trust_remote_code): list this module, whose classes
@@ -103,6 +106,9 @@ CONVERTED = {  # base class name -> converted class
     for adapter in families().values() if adapter.library == "diffusers" for name in adapter.model_classes
 }
 globals().update({cls.__name__: cls for cls in CONVERTED.values()})
+for _name, _converted_cls in CONVERTED.items():  # a base class given a converted transformer says what loads it
+    guard_base_loader(getattr(diffusers, _name), lambda cls: issubclass(cls, ConvertedModel),
+                      f"{_converted_cls.__name__}.from_pretrained or its pipeline's from_pretrained")
 __all__ = sorted(cls.__name__ for cls in CONVERTED.values())
 
 

@@ -370,6 +370,50 @@ def swap_into_place(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def guard_base_loader(base: type, is_converted, how: str) -> None:
+    """Make `base.from_pretrained` (a library's class that mhla-convert converts) refuse an MHLA checkpoint,
+    saying so and `how` to load it, rather than fail on weights it does not find or load a layout it would read
+    as softmax attention: a local folder is checked first, a hub repo once the library's loader has failed.
+    Converted classes (`is_converted(cls)`), which load through it, pass."""
+    def from_pretrained(cls, *args, **kwargs):
+        location = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if is_converted(cls) or not isinstance(location, (str, os.PathLike)):
+            return super(base, cls).from_pretrained(*args, **kwargs)
+        subfolder = kwargs.get("subfolder") or ""
+        local = resolve_saved(location)
+        if local.is_dir() and (checkpoint_dir(local / subfolder) / MHLA_CONFIG).is_file():
+            raise _converted_checkpoint(cls, location, how)
+        try:
+            return super(base, cls).from_pretrained(*args, **kwargs)
+        except OSError as error:
+            if local.exists() or not _hub_holds_mhla(str(location), subfolder, kwargs):
+                raise
+            raise _converted_checkpoint(cls, location, how) from error
+
+    from_pretrained.__doc__ = base.from_pretrained.__doc__
+    base.from_pretrained = classmethod(from_pretrained)
+
+
+def _converted_checkpoint(cls: type, location, how: str) -> OSError:
+    return OSError(f"{location} is an MHLA checkpoint (converted by mhla-convert), which {cls.__name__}'s own "
+                   f"loader would not load as converted: load it with {how} (after `import mhla_convert`), or "
+                   "mhla_convert.from_pretrained")
+
+
+def _hub_holds_mhla(repo_id: str, subfolder: str, options: dict[str, Any]) -> bool:
+    """Whether hub repo `repo_id` holds an MHLA checkpoint (in `subfolder`), as far as it can be reached."""
+    if not HUB_ID.match(repo_id):
+        return False
+    from huggingface_hub import hf_hub_download
+
+    hub = {k: options[k] for k in ("revision", "token", "cache_dir", "local_files_only") if options.get(k)}
+    try:
+        hf_hub_download(repo_id, MHLA_CONFIG, subfolder=subfolder or None, **hub)
+    except (*HUB_ERRORS, ValueError):
+        return False
+    return True
+
+
 def read_mhla_config(directory) -> dict[str, Any]:
     """The conversion record: mhla_config.json, or the copy in config.json where only that came along
     (diffusers downloads a pipeline component's weights and config.json alone)."""

@@ -10,7 +10,9 @@ architecture, so transformers' own loader fills in exactly the saved weights (an
 unexpected key is an error). A saved directory also holds `mhla_loader.py`, named by the config's
 `auto_map`: with `trust_remote_code=True` a process that has not imported mhla_convert imports it
 through that module, or is told to `pip install mhla-convert`. Without either, transformers refuses the
-unknown model type: a converted LM never loads as its base model through the Auto classes.
+unknown model type: a converted LM never loads as its base model through the Auto classes. Once
+mhla_convert is imported, the base classes themselves (`LlamaForCausalLM`, `LlamaModel`, …) given a
+converted folder say it is an MHLA checkpoint and what loads it (`io.guard_base_loader`).
 """
 
 from __future__ import annotations
@@ -199,9 +201,20 @@ def _register() -> dict[str, tuple[type, type]]:
         AutoModelForCausalLM.register(config, model, exist_ok=True)
         AutoModel.register(config, bare, exist_ok=True)
         BASE_MODELS[name] = bare
+        _guard(model, "AutoModelForCausalLM.from_pretrained")
+        _guard(bare, "AutoModel.from_pretrained")
         globals().update({cls.__name__: cls for cls in (config, model, bare)})
     _register_peft_targets([config.model_type for config, _ in classes.values()])
     return classes
+
+
+def _guard(converted: type, auto: str) -> None:
+    """The converted class's base class refuses a converted checkpoint, naming `auto` and `converted`."""
+    from .io import guard_base_loader
+
+    base = next(c for c in converted.__mro__ if c.__name__ == converted.__name__.removeprefix(CONVERTED_PREFIX))
+    guard_base_loader(base, lambda cls: issubclass(cls, (ConvertedCausalLM, ConvertedBaseModel)),
+                      f"{auto} or {converted.__name__}.from_pretrained")
 
 
 def _register_peft_targets(model_types: list[str]) -> None:

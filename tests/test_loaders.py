@@ -72,12 +72,51 @@ def test_transformers_sharded_save_replaces_an_earlier_save_and_reloads(tiny, tm
 
 
 def test_the_base_class_refuses_a_converted_lm(tiny, tmp_path):
-    """transformers' stock class finds no weights of its own rather than loading softmax layers at random."""
+    """transformers' stock classes, after `import mhla_convert`, say what the folder is and what loads it, rather
+    than miss its weights or (format 2, weights under transformers' own name) load softmax layers."""
     model, _ = _lm(tiny)
     path = save_pretrained(model, tmp_path / "ckpt")
     base = type(tiny("tiny-llama"))
-    with pytest.raises(OSError, match="no file named model.safetensors"):
+    with pytest.raises(OSError, match=r"ckpt is an MHLA checkpoint \(converted by mhla-convert\), which "
+                                      "LlamaForCausalLM's own loader would not load as converted: load it with "
+                                      "AutoModelForCausalLM.from_pretrained or MHLALlamaForCausalLM.from_pretrained"):
         base.from_pretrained(path)
+    with pytest.raises(OSError, match="which LlamaModel's own loader .* AutoModel.from_pretrained or MHLALlamaModel"):
+        type(tiny("tiny-llama").model).from_pretrained(path)
+    (path / "mhla_model.safetensors").rename(path / "model.safetensors")  # format 2's name
+    with pytest.raises(OSError, match="is an MHLA checkpoint"):
+        base.from_pretrained(path)
+    base_path = tmp_path / "base"
+    tiny("tiny-llama").save_pretrained(base_path)
+    assert type(base.from_pretrained(base_path)) is base  # a base model loads as ever
+
+
+def test_a_base_diffusers_class_refuses_a_converted_transformer(tiny, tmp_path):
+    model = tiny("tiny-dit")
+    convert(model, ratio=0.5)
+    pipeline("dit", model, "tiny-dit").save_pretrained(tmp_path / "pipe")
+    base = diffusers.DiTTransformer2DModel
+    for args in (dict(subfolder="transformer"), {}):
+        with pytest.raises(OSError, match=r"pipe is an MHLA checkpoint .*which DiTTransformer2DModel's own loader "
+                                          r"would not load as converted: load it with "
+                                          r"MHLADiTTransformer2DModel.from_pretrained or its pipeline's"):
+            base.from_pretrained(tmp_path / "pipe", **args)
+    assert type(type(model).from_pretrained(tmp_path / "pipe", subfolder="transformer")) is type(model)
+
+
+def test_a_base_class_refuses_a_converted_lm_on_the_hub(tiny, tmp_path):
+    """On the Hub, once transformers' loader has missed its weights (offline here: the repo in the hub cache)."""
+    model, _ = _lm(tiny)
+    model.save_pretrained(tmp_path / "saved")
+    snapshot = tmp_path / "cache" / "models--me--lm-mhla" / "snapshots" / ("0" * 40)
+    shutil.copytree(tmp_path / "saved", snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    with pytest.raises(OSError, match="me/lm-mhla is an MHLA checkpoint"):
+        type(tiny("tiny-llama")).from_pretrained("me/lm-mhla", cache_dir=tmp_path / "cache", local_files_only=True)
+    with pytest.raises(OSError) as error:  # another repo: transformers' own error
+        type(tiny("tiny-llama")).from_pretrained("me/elsewhere", cache_dir=tmp_path / "cache", local_files_only=True)
+    assert "MHLA" not in str(error.value)
 
 
 def test_lm_checkpoints_of_format_2_keep_loading(tiny, tmp_path):
