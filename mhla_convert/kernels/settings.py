@@ -136,6 +136,14 @@ class Settings:
     # overlaps the far summaries' load (about 6% at the Llama-3.2-1B shape)
     exact_launches: dict[int, tuple[int, int]] = field(
         default_factory=lambda: {16: (4, 2), 32: (4, 2), 64: (4, 3), 128: (8, 2)})
+    # the backward of non-causal attention with an exact block neighbourhood (`exact_blocks_triton`), by the widest
+    # head-dim tile: warps, stages and the token tile of its three launches (register cap unused). Its query-side
+    # and key-side kernels each hold two (tokens x head dim) float32 accumulators beside their score tiles (dq and
+    # the query rows; dk and dv), so at 64 and 128 they take 32-token tiles, and at 128 8 warps: compiled for sm_90
+    # that spills nothing but 96 bytes a thread in the key side, where 64-token tiles (or 4 warps at 128) spill
+    # hundreds. Untimed: no GPU measurement chose among the settings that fit
+    exact_blocks_backward: dict[int, Launch] = field(default_factory=lambda: {
+        16: Launch(4, 2), 32: Launch(4, 2), 64: Launch(4, 2, tokens=32), 128: Launch(8, 1, tokens=32)})
 
 
 SETTINGS = Settings()
