@@ -536,7 +536,10 @@ def _backward(p: _Problem, do, q, k, v, mixing, key_mask, o, lse, s, sf, need_mi
 
 def backward_unsupported_reason(*, create_graph: bool) -> str | None:
     """Why a backward needs the torch path run again under `torch.func.vjp` rather than the backward kernels, or
-    None: the kernels have no backward of their own, so a backward that builds a graph for a second one does."""
+    None: the kernels have no backward of their own, so a backward that builds a graph for a second one does; and
+    until their tests have run on a GPU the kernels stay off (`Settings.exact_blocks_backward_kernels`)."""
+    if not settings.SETTINGS.exact_blocks_backward_kernels:
+        return "the backward kernels, which are off (Settings.exact_blocks_backward_kernels)"
     return "a backward that builds a graph (create_graph=True)" if create_graph else None
 
 
@@ -586,7 +589,8 @@ def mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout: Blo
     dmixing is zeros unless needs_grad[3]. Inputs the kernels do not take run the torch path again under
     `torch.func.vjp`."""
     p = _Problem(layout, tuple(exact_radius), phi, scale, eps)
-    if unsupported_reason(q, k, v, mixing, layout, exact_radius=exact_radius, phi=phi, key_mask=key_mask):
+    if (unsupported_reason(q, k, v, mixing, layout, exact_radius=exact_radius, phi=phi, key_mask=key_mask)
+            or backward_unsupported_reason(create_graph=False)):
         return _recomputed(p, do, q, k, v, mixing, key_mask, needs_grad)
     o, lse, s, sf = _forward(q, k, v, mixing, p, key_mask, save=True)
     dq, dk, dv, dmix = _backward(p, do, q, k, v, mixing, key_mask, o, lse, s, sf, need_mixing=needs_grad[3])
