@@ -49,8 +49,25 @@ def _sample_indices(spec: ObjectiveSpec, n: int, generator: torch.Generator) -> 
     return _schedule_index(spec, u)
 
 
+class _Denoising:
+    """What the diffusion objectives share: a loss from one `draw` (schedule positions, noise) and `prediction`."""
+
+    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
+        return F.mse_loss(*self.prediction(model, batch, *self.draw(batch, generator)))
+
+    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
+               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(task loss, distillation loss): the student's prediction against the objective's target and
+        against the teacher's prediction for the same noisy input at the same timestep (one draw)."""
+        draw = self.draw(batch, generator)
+        pred, target = self.prediction(model, batch, *draw)
+        with torch.no_grad(), context():
+            reference, _ = self.prediction(teacher, batch, *draw)
+        return F.mse_loss(pred, target), F.mse_loss(pred, reference)
+
+
 @dataclass
-class FlowMatching:
+class FlowMatching(_Denoising):
     call: DenoiserCall
     spec: ObjectiveSpec
     shift: float
@@ -84,16 +101,9 @@ class FlowMatching:
         idx = _sample_indices(self.spec, x0.shape[0], generator)
         return idx, torch.randn(x0.shape, generator=generator).to(x0)
 
-    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
-        return F.mse_loss(*self.prediction(model, batch, *self.draw(batch, generator)))
-
-    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
-               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
-        return _denoiser_losses(self, model, teacher, batch, self.draw(batch, generator), context)
-
 
 @dataclass
-class EpsPrediction:
+class EpsPrediction(_Denoising):
     call: DenoiserCall
     spec: ObjectiveSpec
 
@@ -124,22 +134,6 @@ class EpsPrediction:
         x0 = batch["latents"]
         t = torch.randint(0, self.spec.num_train_timesteps, (x0.shape[0],), generator=generator)
         return t, torch.randn(x0.shape, generator=generator).to(x0)
-
-    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor:
-        return F.mse_loss(*self.prediction(model, batch, *self.draw(batch, generator)))
-
-    def losses(self, model: nn.Module, teacher: nn.Module, batch: dict, generator: torch.Generator,
-               context: TeacherContext = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
-        return _denoiser_losses(self, model, teacher, batch, self.draw(batch, generator), context)
-
-
-def _denoiser_losses(objective, model, teacher, batch, draw, context) -> tuple[torch.Tensor, torch.Tensor]:
-    """(task loss, distillation loss): the student's prediction against the objective's target and
-    against the teacher's prediction for the same noisy input at the same timestep (one draw)."""
-    pred, target = objective.prediction(model, batch, *draw)
-    with torch.no_grad(), context():
-        reference, _ = objective.prediction(teacher, batch, *draw)
-    return F.mse_loss(pred, target), F.mse_loss(pred, reference)
 
 
 @dataclass
