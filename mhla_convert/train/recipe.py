@@ -39,7 +39,7 @@ class ConversionSpec:
     layers: list[int] | None = None
     blocks: str | list[int] | None = None
     attention: Literal["mhla", "linear", "local"] = "mhla"
-    calibration_batches: int = 4  # strategy auto: batches of the recipe's data that score the layers
+    calibration_batches: int = 4  # batches of the recipe's data that score the layers (auto) and fit far weights
     options: dict = field(default_factory=dict)  # MHLAConfig fields
 
 
