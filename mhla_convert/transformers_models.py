@@ -65,18 +65,7 @@ class ConvertedCausalLM:
     def from_pretrained(cls, *args, **kwargs):
         """transformers' loader, made strict: a weight the plan does not expect, or one it lacks, is an
         error rather than a warning over a partly random model."""
-        from .io import resolve_saved, restore_buffer_dtypes
-
-        if args and isinstance(args[0], (str, os.PathLike)):
-            resolve_saved(args[0])  # a save cut off between its two renames is settled first
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
-        if wrong:
-            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not match its MHLA plan: {wrong}")
-        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):  # as saved: outputs match bitwise
-            restore_buffer_dtypes(model, model.config.mhla.get("buffer_dtypes", {}))
-        return (model, info) if want_info else model
+        return _strict_load(super().from_pretrained, args, kwargs)
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """transformers' save with the current conversion record, plus the loader module and
@@ -128,21 +117,7 @@ class ConvertedBaseModel:
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """transformers' loader, made strict as the whole model's is; the LM head's weights alone are left out."""
-        from .io import resolve_saved, restore_buffer_dtypes
-
-        if args and isinstance(args[0], (str, os.PathLike)):
-            resolve_saved(args[0])  # a save cut off between its two renames is settled first
-        want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        info = {**info, "unexpected_keys": {k for k in info.get("unexpected_keys") or () if not k.startswith(HEAD)}}
-        wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
-        if wrong:
-            raise ValueError(f"{args[0] if args else 'the checkpoint'} does not match its MHLA plan: {wrong}")
-        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):  # as saved: outputs match bitwise
-            prefix = f"{model.base_model_prefix}."
-            restore_buffer_dtypes(model, {name.removeprefix(prefix): dtype for name, dtype
-                                          in model.config.mhla.get("buffer_dtypes", {}).items()})
-        return (model, info) if want_info else model
+        return _strict_load(super().from_pretrained, args, kwargs, skipped=HEAD, inside=True)
 
     def save_pretrained(self, *args, **kwargs):
         raise ValueError(f"a {type(self).__name__} (a converted LM's layers without its head, as AutoModel loads "
@@ -155,6 +130,29 @@ class ConvertedBaseModel:
 
 
 HEAD = "lm_head."  # the weights of a converted LM that its base model class leaves out
+
+
+def _strict_load(load, args, kwargs, *, skipped: str | None = None, inside: bool = False):
+    """`load(*args, **kwargs)` (a transformers `from_pretrained`) with every missing, unexpected or mismatched
+    weight an error, except unexpected ones starting with `skipped`; a save cut off between its two renames is
+    settled first, and without a dtype asked for, buffers get their saved dtypes back (`inside`: the model is the
+    base model inside the saved one, whose names lack its prefix)."""
+    from .io import resolve_saved, restore_buffer_dtypes
+
+    if args and isinstance(args[0], (str, os.PathLike)):
+        resolve_saved(args[0])
+    want_info = kwargs.pop("output_loading_info", False)
+    model, info = load(*args, output_loading_info=True, **kwargs)
+    if skipped:
+        info = {**info, "unexpected_keys": {k for k in info.get("unexpected_keys") or () if not k.startswith(skipped)}}
+    wrong = {k: sorted(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+    if wrong:
+        raise ValueError(f"{args[0] if args else 'the checkpoint'} does not match its MHLA plan: {wrong}")
+    if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):  # as saved: outputs match bitwise
+        prefix = f"{model.base_model_prefix}." if inside else ""
+        restore_buffer_dtypes(model, {name.removeprefix(prefix): dtype for name, dtype
+                                      in model.config.mhla.get("buffer_dtypes", {}).items()})
+    return (model, info) if want_info else model
 
 
 def _weights_file(config) -> str | None:
