@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .finite import main_output
 from .layer import MHLAttention
+from .sensitivity import inputs_of
 
 CANDIDATES = (0.0, *(2.0**e for e in range(-6, 7)))  # 0, 1/64 … 64 (above 1 the region's weight drops below 1)
 
@@ -24,10 +26,6 @@ def fits_far_weight(config, attention: str) -> bool:
     return attention == "mhla" and (bool(config.exact_chunks) or config.exact_radius is not None)
 
 
-def _main(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 @torch.no_grad()
 def fit_far_weight(layer: MHLAttention, calls: list[tuple[tuple, dict]], targets: list[torch.Tensor]) -> float:
     """Set `layer`'s mixing to its region init with the far weight (of `CANDIDATES`) whose outputs on `calls`
@@ -35,7 +33,7 @@ def fit_far_weight(layer: MHLAttention, calls: list[tuple[tuple, dict]], targets
     best, best_error = 0.0, float("inf")
     for far in CANDIDATES:
         layer.mixing.copy_(layer._initial_mixing(far).to(layer.mixing))
-        error = sum(float((_main(layer(*a, **kw)).float() - t.float()).pow(2).mean()) for (a, kw), t in
+        error = sum(float((main_output(layer(*a, **kw)).float() - t.float()).pow(2).mean()) for (a, kw), t in
                     zip(calls, targets))
         if error < best_error:
             best, best_error = far, error
@@ -47,8 +45,6 @@ def fit_far_weight(layer: MHLAttention, calls: list[tuple[tuple, dict]], targets
 def original_calls(model: nn.Module, original: nn.Module, batches: list[dict]):
     """The (args, kwargs) the not yet converted attention `original` gets when `model` runs each batch (each forward
     stops there), and its outputs on them; in eval mode."""
-    from .sensitivity import inputs_of
-
     training = model.training
     model.eval()
     try:
@@ -60,6 +56,6 @@ def original_calls(model: nn.Module, original: nn.Module, batches: list[dict]):
                 first = (str(exc).strip().splitlines() or [""])[0]
                 raise ValueError(f"calibration batch {i} does not run through the model ({type(exc).__name__}: "
                                  f"{first}); each batch must be the keyword inputs of model(**batch)") from None
-        return calls, [_main(original(*args, **kwargs)) for args, kwargs in calls]
+        return calls, [main_output(original(*args, **kwargs)) for args, kwargs in calls]
     finally:
         model.train(training)

@@ -12,7 +12,8 @@ from torch import nn
 
 
 def main_output(output) -> torch.Tensor | None:
-    """The tensor a model's forward returns as its result, or None where there is none."""
+    """The tensor a call is judged by, or None where there is none: the tensor itself, a diffusion transformer's
+    `.sample`, an LM's `.logits`, or the first element of a tuple (an attention layer's output)."""
     if isinstance(output, torch.Tensor):
         return output
     for name in ("sample", "logits"):

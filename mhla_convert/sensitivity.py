@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .families import adapter_for_model
+from .finite import main_output
 from .layer import MHLAConfig, MHLAttention
 from .mixing import clamp_mixing_
 from .plan import AUTO_NEEDS_CALIBRATION
@@ -36,17 +37,6 @@ from .plan import AUTO_NEEDS_CALIBRATION
 FIT_LR = 1e-3
 FIT_PARAMETERS = ("mixing", "to_q", "to_k", "out_norm")  # the new parameters and the q/k projections
 EMPTY_CALIBRATION = "calibration is empty: give at least one batch of model inputs (a dict for model(**batch))"
-
-
-def _main_output(output) -> torch.Tensor:
-    """The tensor a model call is judged by: an LM's logits, a diffusion transformer's sample."""
-    for name in ("logits", "sample"):
-        value = getattr(output, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    return output
 
 
 def output_change(reference: torch.Tensor, output: torch.Tensor, *, causal: bool, attention_mask=None) -> float:
@@ -103,9 +93,9 @@ def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps
     optimizer = torch.optim.Adam(params, lr=lr)
     for step in range(steps):
         args, kwargs = inputs_of(model, layer, batches[step % len(batches)])
-        target = _main_output(original(*args, **kwargs)).float()
+        target = main_output(original(*args, **kwargs)).float()
         with torch.enable_grad():
-            loss = F.mse_loss(_main_output(layer(*args, **kwargs)).float(), target)
+            loss = F.mse_loss(main_output(layer(*args, **kwargs)).float(), target)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         optimizer.step()
@@ -145,7 +135,7 @@ def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], c
     training = model.training
     model.eval()
     try:
-        references = [_main_output(model(**batch)) for batch in batches]
+        references = [main_output(model(**batch)) for batch in batches]
         originals = adapter.attention_modules(model)
         scores = {}
         for index in tqdm(range(len(originals)), desc="layer sensitivity", disable=not progress, dynamic_ncols=True):
@@ -155,7 +145,7 @@ def layer_sensitivity(model: nn.Module, calibration: Iterable[dict[str, Any]], c
                 layer = adapter.convert_layer(model, index, config)
                 if fit_steps:
                     _fit(model, layer, originals[index], batches, fit_steps, fit_lr)
-                changes = [output_change(ref, _main_output(model(**batch)), causal=adapter.causal, attention_mask=mask)
+                changes = [output_change(ref, main_output(model(**batch)), causal=adapter.causal, attention_mask=mask)
                            for batch, ref, mask in zip(batches, references, masks)]
             finally:
                 setattr(parent, attr, originals[index])

@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _main(output):
-    return output[0] if isinstance(output, tuple) else output
+from ..finite import main_output
 
 
 def snapshot_attention(adapter, model: nn.Module) -> list[nn.Module]:
@@ -45,7 +43,7 @@ class AttentionTransfer:
         def hook(module, args, kwargs, output):
             with torch.no_grad():
                 target = teacher(*args, **kwargs)
-            self.errors.append(F.mse_loss(_main(output).float(), _main(target).float()))
+            self.errors.append(F.mse_loss(main_output(output).float(), main_output(target).float()))
             return target
 
         return hook
