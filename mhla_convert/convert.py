@@ -48,20 +48,22 @@ class ConversionReport:
 
     def __str__(self) -> str:
         scored = self.sensitivity is not None
+        fitted = any(layer.far_weight is not None for layer in self.layers)
         header = ("layer", "attention", "blocks", "M", "native grid", "params added")
-        rows = [(*header, *(("sensitivity",) if scored else ()))]
+        rows = [(*header, *(("far weight",) if fitted else ()), *(("sensitivity",) if scored else ()))]
         by_index = {layer.index: layer for layer in self.layers}
         kind = "MHLA" if self.attention == "mhla" else self.attention
         for i in range(self.num_layers):
             score = (f"{self.sensitivity[i]:.4g}",) if scored else ()
             layer = by_index.get(i)
             if layer is None:
-                rows.append((str(i), "softmax (kept)", "", "", "", "", *score))
+                rows.append((str(i), "softmax (kept)", "", "", "", "", *(("",) if fitted else ()), *score))
                 continue
             blocks = "x".join(map(str, layer.blocks)) if layer.blocks else f"chunk {self.config.get('chunk_size')}"
             m = str(math.prod(layer.blocks)) if layer.blocks else "-"
             grid = "x".join(map(str, layer.grid)) if layer.grid else "any"
-            rows.append((str(i), kind, blocks, m, grid, f"{layer.params_added:,}", *score))
+            far = (f"{layer.far_weight:g}",) if fitted else ()
+            rows.append((str(i), kind, blocks, m, grid, f"{layer.params_added:,}", *far, *score))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))

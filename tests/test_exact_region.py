@@ -67,6 +67,7 @@ def test_calibrated_far_weights_never_start_further_than_truncation(tiny, run_mo
     convert(cut, **options)
     report = convert(fitted, calibration=batches, progress=False, **options)
     assert all(layer.far_weight in CANDIDATES for layer in report.layers)
+    assert "far weight" in str(report) and "far weight" not in str(convert(tiny(name), **options))
     assert any(layer.far_weight > 0 for layer in report.layers)  # (random weights: the summaries help)
     assert _gap(fitted, target, batches, run_model) <= _gap(cut, target, batches, run_model)
 

@@ -25,21 +25,18 @@ import math
 
 import torch
 
-from .blocks import BlockLayout, as_axes
+from .blocks import BlockLayout, whole_number
 from .exact_local import read_window
 from .feature_maps import drop_keys
 
 
 def exact_radius_axes(radius, axes: int) -> tuple[int, ...]:
     """`radius` (a whole number or one per axis, each ≥ 0) as a tuple of `axes` ints, or a ValueError."""
-    values = (radius,) * axes if isinstance(radius, int) and not isinstance(radius, bool) else radius
-    try:
-        out = as_axes("exact_radius", tuple(v + 1 for v in values))  # as_axes wants values ≥ 1
-    except (TypeError, ValueError):
-        out = None
-    if out is None or len(out) != axes:
+    values = (radius,) * axes if whole_number(radius) is not None else radius
+    if not (isinstance(values, (tuple, list)) and len(values) == axes
+            and all(whole_number(v) is not None and v >= 0 for v in values)):
         raise ValueError(f"exact_radius must be a whole number ≥ 0 or one per grid axis ({axes}); got {radius!r}")
-    return tuple(v - 1 for v in out)
+    return tuple(int(v) for v in values)
 
 
 @functools.lru_cache(maxsize=256)
