@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import logging
+from logging.handlers import BufferingHandler
 
 import pytest
 import torch
@@ -68,6 +70,20 @@ def test_list_shows_aliases_tiny_models_and_families():
         "PixArtTransformer2DModel",
     ):
         assert word in result.output
+
+
+def test_sample_passes_the_base_class_no_conversion_record(tmp_path):
+    """config.json's "mhla" record is for the converted class: diffusers would warn that the base class ignores it."""
+    assert invoke("tiny-dit", "--out", tmp_path / "dit").exit_code == 0
+    records = BufferingHandler(capacity=10_000)
+    logging.getLogger("diffusers").addHandler(records)
+    try:
+        result = invoke("sample", tmp_path / "dit", "--steps", 1, "--out", tmp_path / "dit.png")
+    finally:
+        logging.getLogger("diffusers").removeHandler(records)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "dit.png").is_file()
+    assert not [r.getMessage() for r in records.buffer if "not expected and will be ignored" in r.getMessage()]
 
 
 def test_demo_runs():

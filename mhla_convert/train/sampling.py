@@ -44,7 +44,8 @@ def _load(checkpoint: Path, device):
 
 def _skeleton(checkpoint: Path):
     """The checkpoint's mhla_config.json, its family adapter and its base model on the meta device
-    (from config.json alone): enough to check the sampling options before any weights load."""
+    (from config.json less the conversion record, which the base class does not take): enough to check the
+    sampling options before any weights load."""
     from ..io import read_mhla_config
     from ..locations import read_json
     from ..models import meta_model
@@ -52,7 +53,7 @@ def _skeleton(checkpoint: Path):
     try:
         meta = read_mhla_config(checkpoint)
         adapter = adapter_for_family(meta["family"])
-        return meta, adapter, meta_model(adapter, read_json(checkpoint / "config.json"))
+        return meta, adapter, meta_model(adapter, adapter.base_config(read_json(checkpoint / "config.json")))
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
 
