@@ -1,6 +1,7 @@
 """Attention-operator benchmark: SDPA vs MHLA (torch path) vs MHLA (Triton) — and, causal, fla's
 `chunk_linear_attn` when installed, with and without its normaliser — forward and forward+backward, over N for
-the target shapes.
+the target shapes. Non-causal shapes also time MHLA with each query block's own block read exactly
+(`exact_radius=0`, the Wan default), on the torch path and on Triton (`mhla_exact_*`).
 
     python benchmarks/attention_op.py [--shapes wan,dit,sana,causal] [--dtype bf16] [--timing eager,graph]
         [--out docs/bench/attention_op]
@@ -78,6 +79,12 @@ def bench_row(family, heads, dim, grid, blocks, dtype, timings):
         "mhla_torch": (lambda: mhla_attention(q, k, v, mixing, backend="torch", **kw), [q, k, v, mixing]),
         "mhla_triton": (lambda: mhla_attention(q, k, v, mixing, backend="triton", **kw), [q, k, v, mixing]),
     }
+    if not causal:
+        exact = dict(kw, exact_radius=0)
+        variants["mhla_exact_torch"] = (lambda: mhla_attention(q, k, v, mixing, backend="torch", **exact),
+                                        [q, k, v, mixing])
+        variants["mhla_exact_triton"] = (lambda: mhla_attention(q, k, v, mixing, backend="triton", **exact),
+                                         [q, k, v, mixing])
     if causal:
         try:
             from fla.ops.linear_attn import chunk_linear_attn

@@ -182,12 +182,10 @@ def test_gradients_match_torch_path(name, kernels_only):
 
 
 @run
-def test_second_order_gradients_match_torch_path(monkeypatch):
+def test_second_order_gradients_match_torch_path():
     """A create_graph=True backward recomputes through the torch path (the backward kernels have no backward),
     which autograd differentiates again: a second backward through it gives the torch backend's second-order
     gradients (fp32)."""
-    on = dataclasses.replace(settings.SETTINGS, exact_blocks_backward_kernels=True)
-    monkeypatch.setattr(settings, "SETTINGS", on)
     assert exact_blocks_triton.backward_unsupported_reason(create_graph=True)
     assert exact_blocks_triton.backward_unsupported_reason(create_graph=False) is None
     found = []
@@ -235,17 +233,11 @@ def test_custom_op_with_triton_backend():
 # --- the backward kernels ----------------------------------------------------------------------------------------
 @pytest.fixture
 def kernels_only(monkeypatch):
-    """The backward kernels on; a backward that ran the torch path again instead fails."""
+    """A backward that ran the torch path again instead of the backward kernels fails."""
     def refused(*args, **kwargs):
         raise AssertionError("the backward recomputed through the torch path")
 
-    on = dataclasses.replace(settings.SETTINGS, exact_blocks_backward_kernels=True)
-    monkeypatch.setattr(settings, "SETTINGS", on)
     monkeypatch.setattr(exact_blocks_triton, "recomputed_grads", refused)
-
-
-def test_backward_kernels_are_off_until_checked_on_a_gpu():
-    assert exact_blocks_triton.backward_unsupported_reason(create_graph=False) is not None
 
 
 _GRADS = ("output", "q", "k", "v", "mixing")

@@ -536,10 +536,7 @@ def _backward(p: _Problem, do, q, k, v, mixing, key_mask, o, lse, s, sf, need_mi
 
 def backward_unsupported_reason(*, create_graph: bool) -> str | None:
     """Why a backward needs the torch path run again under `torch.func.vjp` rather than the backward kernels, or
-    None: the kernels have no backward of their own, so a backward that builds a graph for a second one does; and
-    until their tests have run on a GPU the kernels stay off (`Settings.exact_blocks_backward_kernels`)."""
-    if not settings.SETTINGS.exact_blocks_backward_kernels:
-        return "the backward kernels, which are off (Settings.exact_blocks_backward_kernels)"
+    None: the kernels have no backward of their own, so a backward that builds a graph for a second one does."""
     return "a backward that builds a graph (create_graph=True)" if create_graph else None
 
 

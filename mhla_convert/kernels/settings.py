@@ -141,14 +141,10 @@ class Settings:
     # and key-side kernels each hold two (tokens x head dim) float32 accumulators beside their score tiles (dq and
     # the query rows; dk and dv), so at 64 and 128 they take 32-token tiles, and at 128 8 warps: compiled for sm_90
     # that spills nothing but 96 bytes a thread in the key side, where 64-token tiles (or 4 warps at 128) spill
-    # hundreds. Untimed: no GPU measurement chose among the settings that fit
+    # hundreds. Untuned: on an H200 these settings take a Wan-sized fwd+bwd 3.3x faster than the torch path
+    # (docs/benchmarks.md), but no sweep chose among the settings that fit
     exact_blocks_backward: dict[int, Launch] = field(default_factory=lambda: {
         16: Launch(4, 2), 32: Launch(4, 2), 64: Launch(4, 2, tokens=32), 128: Launch(8, 1, tokens=32)})
-    # the exact block neighbourhood's backward kernels pass their tests under the Triton interpreter and compile for
-    # sm_90, but have not run on a GPU, where Triton 3.6 has miscompiled kernels of this project before: until their
-    # GPU tests pass, training takes the torch path's gradients (recomputed; exact, but it holds the neighbourhood's
-    # scores in memory)
-    exact_blocks_backward_kernels: bool = False
 
 
 SETTINGS = Settings()
