@@ -34,8 +34,25 @@ class _ConvertByDefault(TyperGroup):
 
 app = typer.Typer(
     cls=_ConvertByDefault, add_completion=False, no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command's, through the context
     help="Convert attention to Multi-Head Linear Attention (MHLA). `mhla-convert MODEL` converts MODEL.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"mhla-convert {version('mhla-convert')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def app_options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Options for every command, given before it."""
 
 
 def _fail(error: Exception) -> None:
@@ -133,7 +150,8 @@ def convert_command(
     from .calibrate import fits_far_weight
     from .convert import check_conversion, convert
     from .io import check_save_target, save_pretrained
-    from .models import load_source, resolve, save_companions, source_meta_model
+    from .locations import SOURCE_ATTR
+    from .models import load_source, resolve, source_meta_model
     from .options import check_options
     from .pipelines import check_pipeline_source, save_pipeline
     from .placement import parse_dtype
@@ -181,13 +199,12 @@ def convert_command(
             report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps, **options)
         typer.echo(str(report))
         with _step(f"saving {'the pipeline ' if pipeline else ''}to {target}"):
-            companions: list[str] = []
             if pipeline:
                 saved = save_pipeline(base, source, target)
             else:  # the tokenizer etc. are part of the same atomic save
-                saved = save_pretrained(
-                    base, target, extra=lambda folder: companions.extend(save_companions(source, folder)))
-        typer.echo(f"saved: {saved}" + (f" (with the base model's {' and '.join(companions)})" if companions else ""))
+                saved = save_pretrained(base, target)
+        companions = [] if pipeline else sorted(getattr(base, SOURCE_ATTR).get("companions") or {})
+        typer.echo(f"saved: {saved}" + (f" (with the base model's {', '.join(companions)})" if companions else ""))
         if push:
             _push(saved, push, private)
     except USER_ERRORS as error:
@@ -197,11 +214,11 @@ def convert_command(
 def _calibration(model, source: str, count: int) -> list[dict]:
     """`count` single-example batches of model inputs from `source` (fixed seed: the selection is repeatable)."""
     from .families import adapter_for_model
-    from .locations import SOURCE_ATTR
+    from .locations import components_of
     from .train.calibration import calibration_batches, calibration_data
     from .train.errors import TrainError
 
-    base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    base = components_of(model)
     try:
         spec = calibration_data(source, batch_size=1, num_samples=count)
         return calibration_batches(adapter_for_model(model), model, spec, num_batches=count, seed=0, components=base)

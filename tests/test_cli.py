@@ -72,6 +72,24 @@ def test_list_shows_aliases_tiny_models_and_families():
         assert word in result.output
 
 
+def test_version_is_the_installed_package_version():
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output == f"mhla-convert {version('mhla-convert')}\n"
+
+
+def test_h_is_help_for_the_app_and_every_command():
+    from typer.main import get_command
+
+    names = list(get_command(app).commands)
+    assert {"convert", "list", "push", "demo", "eval", "finetune", "sample"} <= set(names)
+    for args in ([], *([name] for name in names), ["tiny-dit"]):  # tiny-dit: the default command's
+        short, long = invoke(*args, "-h"), invoke(*args, "--help")
+        assert short.exit_code == 0 and "Usage: " in short.output, (args, short.output)
+        assert short.output == long.output
+
+
 def test_sample_passes_the_base_class_no_conversion_record(tmp_path):
     """config.json's "mhla" record is for the converted class: diffusers would warn that the base class ignores it."""
     assert invoke("tiny-dit", "--out", tmp_path / "dit").exit_code == 0
