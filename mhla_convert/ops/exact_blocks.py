@@ -76,31 +76,58 @@ def mhla_attention_exact_blocks_torch(q, k, v, mixing, layout: BlockLayout, *, e
                                       scale, eps, key_mask=None):
     """Non-causal MHLA with each query block's neighbourhood read by the softmax kernel (module doc);
     `key_mask` (B, N) bool marks real keys (False: padding, weight 0)."""
-    batch, _, heads, dim = q.shape
+    batch, _, heads, _ = q.shape
     kv_heads, groups, dv = k.shape[2], heads // k.shape[2], v.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
     m, t = layout.num_blocks, layout.tokens_per_block
-    ids, valid = neighbour_table(layout, exact_radius, q.device)  # (M, K)
-    mix = mixing.to(acc)
-    mix = mix.view(1, 1, m, m) if mix.dim() == 2 else mix.view(kv_heads, groups, m, m)
+    mix = grouped_mixing(mixing.to(acc), kv_heads, groups)
 
     # blocks outside the neighbourhood: mixed key–value summaries, as in plain MHLA
     qf = layout.to_blocks(phi(q.to(acc)) * scale).view(batch, kv_heads, groups, m, t, -1)
-    kf = layout.to_blocks(phi(drop_keys(k, key_mask).to(acc))).unsqueeze(2)  # (B, H_kv, 1, M, T, D)
+    kf = layout.to_blocks(phi(drop_keys(k, key_mask).to(acc)))  # (B, H_kv, M, T, D)
     vb = layout.to_blocks(v.to(acc))  # (B, H_kv, M, T, Dv)
     far = mix.masked_fill(exact_mask(layout.blocks, exact_radius, q.device), 0.0)
-    s = kf.transpose(-1, -2) @ vb.unsqueeze(2)
-    num = qf @ torch.matmul(far, s.flatten(-2)).unflatten(-1, s.shape[-2:])  # (B, H_kv, g, M, T, Dv)
-    den = qf @ torch.matmul(far, kf.sum(-2)).unsqueeze(-1)  # (B, H_kv, g, M, T, 1)
+    num, den = far_reads(qf, *block_summaries(kf, vb), far)
+    real = None if key_mask is None else key_mask[:, :, None, None].to(acc)
+    out = near_read(num, den, q.to(acc), k.to(acc), vb, mix, layout, exact_radius, real=real, eps=eps)
+    return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
 
-    # the neighbourhood: the softmax kernel over its blocks' tokens, K·T keys per query block
+
+def grouped_mixing(mix: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
+    """(M, M') → (1, 1, M, M'); (H, M, M') → (H_kv, g, M, M'): broadcastable against grouped heads."""
+    return mix.view(1, 1, *mix.shape) if mix.dim() == 2 else mix.view(kv_heads, groups, *mix.shape[-2:])
+
+
+def block_summaries(kf: torch.Tensor, vb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """φ(k) and v by block, (B, H_kv, M, T, D) and (B, H_kv, M, T, Dv) → each block's S = Σ φ(k)ᵀv
+    (B, H_kv, M, D, Dv) and z = Σ φ(k) (B, H_kv, M, D)."""
+    return kf.transpose(-1, -2) @ vb, kf.sum(-2)
+
+
+def far_reads(qf, s, z, mix) -> tuple[torch.Tensor, torch.Tensor]:
+    """The linear part of each query's read: qf (B, H_kv, g, M', T, D) = φ(q)·scale by block, against the summaries
+    s, z (`block_summaries`, M blocks) mixed by `mix` (grouped, (…, M', M)) → numerator (B, H_kv, g, M', T, Dv) and
+    denominator (B, H_kv, g, M', T, 1)."""
+    s, z = s.unsqueeze(2), z.unsqueeze(2)
+    num = qf @ torch.matmul(mix, s.flatten(-2)).unflatten(-1, s.shape[-2:])
+    return num, qf @ torch.matmul(mix, z).unsqueeze(-1)
+
+
+def near_read(num, den, q, k, vb, mix, layout: BlockLayout, exact_radius: tuple[int, ...], *, real, eps):
+    """`read_window` over each query block's neighbourhood in `layout`: q (B, N, H, D) and k (B, N, H_kv, D) unblocked,
+    vb (B, H_kv, M, T, Dv) by block, `mix` grouped (…, M, M), `real` (B or 1, N, 1, 1) 1 for real keys (None: all
+    are), num and den as `far_reads` gives them → (B, H_kv, g, M, T, Dv)."""
+    batch, _, heads, _ = q.shape
+    kv_heads, groups = k.shape[2], heads // k.shape[2]
+    m, t = layout.num_blocks, layout.tokens_per_block
+    ids, valid = neighbour_table(layout, exact_radius, q.device)  # (M, K)
+
     def near(x):  # (B, ·, M, T, X) → (B, ·, 1, M, K·T, X)
         return x[:, :, ids].flatten(3, 4).unsqueeze(2)
 
     weights = (mix.gather(-1, ids.expand(*mix.shape[:2], m, -1)) * valid).repeat_interleave(t, -1).unsqueeze(-2)
-    real = torch.ones(1, layout.num_tokens, 1, 1, dtype=acc, device=q.device)  # slots off the grid are padding
-    real = real if key_mask is None else key_mask[:, :, None, None].to(acc)
+    if real is None:  # slots off the grid are padding
+        real = torch.ones(1, layout.num_tokens, 1, 1, dtype=q.dtype, device=q.device)
     allowed = (near(layout.to_blocks(real)).squeeze(-1).unsqueeze(-2) > 0) & (weights > 0)  # (·, ·, ·, M, 1, K·T)
-    qr = layout.to_blocks(q.to(acc)).view(batch, kv_heads, groups, m, t, -1)
-    out = read_window(num, den, qr, near(layout.to_blocks(k.to(acc))), near(vb), weights, allowed, eps=eps)
-    return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
+    qr = layout.to_blocks(q).view(batch, kv_heads, groups, m, t, -1)
+    return read_window(num, den, qr, near(layout.to_blocks(k)), near(vb), weights, allowed, eps=eps)
