@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 from typer.core import TyperGroup
 
+from . import verbosity
 from .locations import HUB_ERRORS, one_line
 
 DEFAULT_COMMAND = "convert"
@@ -24,12 +25,13 @@ USER_ERRORS = (ValueError, *HUB_ERRORS)
 
 
 class _ConvertByDefault(TyperGroup):
-    """Typer has no default command: a first word that names no command is taken as MODEL."""
+    """Typer has no default command: a first word after the app's options that names no command is taken as
+    MODEL."""
 
-    def parse_args(self, ctx, args):
+    def resolve_command(self, ctx, args):
         if args and not args[0].startswith("-") and args[0] not in self.commands:
             args = [DEFAULT_COMMAND, *args]
-        return super().parse_args(ctx, args)
+        return super().resolve_command(ctx, args)
 
 
 app = typer.Typer(
@@ -49,10 +51,16 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def app_options(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                  help="Print the version and exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also the libraries' info logs and progress bars."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Results and errors only: no steps, no library warnings."),
 ) -> None:
     """Options for every command, given before it."""
+    if verbose and quiet:
+        _fail(ValueError("--verbose and --quiet contradict each other: give one"))
+    verbosity.use(ctx, verbosity.VERBOSE if verbose else verbosity.QUIET if quiet else verbosity.NORMAL)
 
 
 def _fail(error: Exception) -> None:
@@ -62,15 +70,19 @@ def _fail(error: Exception) -> None:
 
 @contextmanager
 def _step(message: str):
-    """Say what a long step does and how long it took."""
-    typer.echo(f"{message} ...", nl=False)
+    """Say what a long step does and how long it took: nothing with -q, and with -v on lines of its own, as the
+    libraries' logs and progress bars come between."""
+    level = verbosity.level()
+    say = typer.echo if level != verbosity.QUIET else lambda *args, **kwargs: None
+    say(f"{message} ...", nl=level == verbosity.VERBOSE)
+    again = f"{message}: " if level == verbosity.VERBOSE else " "
     start = time.perf_counter()
     try:
         yield
     except BaseException:
-        typer.echo(" failed")
+        say(f"{again}failed")
         raise
-    typer.echo(f" done ({time.perf_counter() - start:.1f} s)")
+    say(f"{again}done ({time.perf_counter() - start:.1f} s)")
 
 
 def _int_list(text: str | None, option: str, what: str, example: str) -> list[int] | None:
@@ -147,6 +159,7 @@ def convert_command(
     private: bool = typer.Option(False, help="With --push: create the repo private."),
 ) -> None:
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
+    verbosity.configure_libraries()
     from .calibrate import fits_far_weight
     from .convert import check_conversion, convert
     from .io import check_save_target, save_pretrained
@@ -196,8 +209,10 @@ def convert_command(
             with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
                 options["calibration"] = _calibration(base, calibration, calibration_batches)
         with _step("converting"):
-            report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps, **options)
-        typer.echo(str(report))
+            report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps,
+                             progress=verbosity.level() != verbosity.QUIET, **options)
+        if verbosity.level() != verbosity.QUIET:
+            typer.echo(str(report))
         with _step(f"saving {'the pipeline ' if pipeline else ''}to {target}"):
             if pipeline:
                 saved = save_pipeline(base, source, target)
@@ -258,6 +273,7 @@ def push_command(
     private: bool = typer.Option(False, help="Create the repo private."),
 ) -> None:
     """Push a saved MHLA checkpoint to the hub with a generated model card."""
+    verbosity.configure_libraries()
     try:
         _push(directory, repo_id, private)
     except USER_ERRORS as error:
@@ -270,6 +286,7 @@ def demo_command() -> None:
     sample."""
     from .demo import run_demo
 
+    verbosity.configure_libraries()
     try:
         run_demo()
     except USER_ERRORS as error:
@@ -296,6 +313,7 @@ def eval_command(
                                            help="Diffusion: compare samples with the reference (default: on)."),
 ) -> None:
     """Score MODEL (and --reference) on held-out data with the family's training loss and more; print the gap."""
+    verbosity.configure_libraries()
     from .evaluate import evaluate
     from .evaluate.report import table
 

@@ -90,6 +90,53 @@ def test_h_is_help_for_the_app_and_every_command():
         assert short.output == long.output
 
 
+def _library_output():
+    """transformers' and diffusers' logging levels and progress bars, and huggingface_hub's progress bars."""
+    import diffusers.utils.logging as diffusers_logging
+    import huggingface_hub.utils as hub
+    import transformers.utils.logging as transformers_logging
+
+    return {"levels": (transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()),
+            "bars": (transformers_logging.is_progress_bar_enabled(), diffusers_logging.is_progress_bar_enabled(),
+                     not hub.are_progress_bars_disabled())}
+
+
+@pytest.mark.parametrize("flag", [None, "-v", "-q"])
+def test_verbosity_sets_the_step_lines_and_the_libraries_output_while_loading(tmp_path, monkeypatch, flag):
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
+
+    from mhla_convert import models
+
+    for lib in (transformers_logging, diffusers_logging):
+        monkeypatch.setattr(lib, "_tqdm_active", True)
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")
+    monkeypatch.setattr(hub_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", None)
+    monkeypatch.setattr(hub_tqdm, "progress_bar_states", {"_global": True})
+    before, seen, load = _library_output(), {}, models.load_source
+    monkeypatch.setattr(models, "load_source", lambda *args, **kw: seen.update(_library_output()) or load(*args, **kw))
+    out, step = tmp_path / "dit", "loading built-in tiny model tiny-dit (random weights)"
+    result = invoke(*[flag] * bool(flag), "tiny-dit", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert _library_output() == before  # as they were once the command ends
+    if flag == "-q":
+        assert seen == {"levels": (logging.ERROR, logging.ERROR), "bars": (False, False, False)}
+        assert result.output == f"saved: {out}\n"
+        return
+    assert "6 of 6 self-attention layers" in result.output and f"saved: {out}" in result.output
+    if flag == "-v":
+        assert seen == {"levels": (logging.INFO, logging.INFO), "bars": (True, True, True)}
+        lines = result.output.splitlines()
+        assert f"{step} ..." in lines and any(line.startswith(f"{step}: done (") for line in lines)
+    else:  # the libraries' progress bars would break the step lines
+        assert seen == {"levels": before["levels"], "bars": (False, False, False)}
+        assert result.output.startswith(f"{step} ... done (")
+
+
+def test_verbose_and_quiet_together_is_one_line():
+    _assert_one_line_exit_2(invoke("-v", "-q", "list"), "--verbose and --quiet")
+
+
 def test_sample_passes_the_base_class_no_conversion_record(tmp_path):
     """config.json's "mhla" record is for the converted class: diffusers would warn that the base class ignores it."""
     assert invoke("tiny-dit", "--out", tmp_path / "dit").exit_code == 0

@@ -32,9 +32,11 @@ def finetune(
     `accelerate launch`."""
 
     def run():
+        from ..verbosity import configure_libraries
         from .recipe import load_recipe
         from .trainer import train
 
+        configure_libraries()
         train(load_recipe(recipe, set_), out, resume=resume)
 
     _one_line(run)
@@ -70,8 +72,10 @@ def sample(
     """Sample from a converted checkpoint with its family's pipeline (or `generate` for LMs)."""
 
     def run():
+        from ..verbosity import configure_libraries
         from .sampling import sample as _sample
 
+        configure_libraries()
         path = _sample(
             checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
             width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image,
