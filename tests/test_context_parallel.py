@@ -73,3 +73,40 @@ def _refusals(rank, world):
 
 def test_context_parallel_refuses_in_one_line(tmp_path):
     run_two(_refusals, tmp_path)
+
+
+def _wan(rank, world):
+    # diffusers sets its device up as rank % torch.accelerator.device_count(), which is 0 on a machine without an
+    # accelerator: one CPU "device" lets `enable_parallelism` run as on GPUs (its mesh is a CPU mesh over gloo)
+    torch.accelerator.device_count = lambda: 1
+    from diffusers import ContextParallelConfig
+
+    from mhla_convert import convert
+    from mhla_convert.layer import mhla_layers
+    from mhla_convert.models import tiny_model
+
+    g = torch.Generator().manual_seed(0)
+    # 3 x 4 x 6 tokens: each rank holds a frame and a half, so the split cuts Wan's own-block exact region
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 12, generator=g), timestep=torch.tensor([10, 500]),
+                  encoder_hidden_states=torch.randn(2, 8, 16, generator=g), return_dict=False)
+    # all layers MHLA with either form; a hybrid whose softmax layers take diffusers' ulysses attention (its ring
+    # attention needs a backend that returns the log-sum-exp, which the CPU's native backend does not)
+    cases = (({"ring_degree": 2}, None), ({"ulysses_degree": 2}, None), ({"ulysses_degree": 2}, [0, 2, 4]))
+    for degrees, layers in cases:
+        model = tiny_model("tiny-wan")
+        convert(model, layers=layers, progress=False)
+        with torch.no_grad():
+            for _, layer in mhla_layers(model):  # weights outside the exact region, so the summaries count
+                layer.mixing.uniform_(0.2, 1.0, generator=torch.Generator().manual_seed(1))
+            want = model(**inputs)[0]
+            model.enable_parallelism(config=ContextParallelConfig(**degrees))
+            got = model(**inputs)[0]  # (diffusers' hooks take tuples: its pipelines call the transformer so)
+        assert mhla_layers(model)[0][1].context_parallel is model._parallel_config.context_parallel_config
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{degrees} layers {layers}")
+
+
+def test_enable_parallelism_on_a_converted_wan(tmp_path):
+    """`model.enable_parallelism(config=ContextParallelConfig(...))` on a converted tiny Wan: MHLA layers take the
+    summaries exchange (ring) or the ulysses form, a hybrid's softmax layers diffusers' own; the output is the
+    one-process model's."""
+    run_two(_wan, tmp_path)

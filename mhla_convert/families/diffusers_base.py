@@ -19,6 +19,7 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops import mhla_attention
+from ..ops.context_parallel import mhla_attention_context_parallel
 from .base import CONVERTED_PREFIX, FamilyAdapter, UnsupportedModelError
 
 GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
@@ -35,10 +36,16 @@ class TokenGrid:
     def __init__(self, patch_size: tuple[int, ...]):
         self.patch_size = patch_size
         self.grid: tuple[int, ...] | None = None
+        self.context_parallel = None
 
     def __call__(self, module, args, kwargs) -> None:
         x = args[0] if args else kwargs["hidden_states"]
         self.grid = tuple(size // p for size, p in zip(x.shape[-len(self.patch_size):], self.patch_size))
+        # Under the model's `enable_parallelism(config=ContextParallelConfig(...))` (or `from_pretrained(...,
+        # parallel_config=)`), diffusers' hooks cut the tokens across ranks after this hook: its set-up config, which
+        # the layers then run `ops.context_parallel` with (`context_parallel_form`).
+        parallel = getattr(module, "_parallel_config", None)
+        self.context_parallel = getattr(parallel, "context_parallel_config", None)
 
 
 def fitted_blocks(grid: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[tuple[int, ...], torch.Tensor | None]:
@@ -96,9 +103,15 @@ class DiffusersMHLA(MHLAttention):
         layer.clip_fp16, layer.rotary = clip_fp16, rotary
         return layer
 
+    @property
+    def context_parallel(self):
+        """diffusers' ContextParallelConfig of the model's last forward, if any (`TokenGrid`)."""
+        return self.token_grid.context_parallel if self.token_grid is not None else None
+
     def current_grid(self, num_tokens: int) -> tuple[int, ...]:
         grid = self.token_grid.grid if self.token_grid is not None else None
-        if grid is None or math.prod(grid) != num_tokens:
+        # (under context parallelism the layer sees one rank's tokens, which the operator checks against the grid)
+        if grid is None or (self.context_parallel is None and math.prod(grid) != num_tokens):
             raise ValueError(
                 f"MHLA layer got {num_tokens} tokens but the model's last forward captured grid {grid}; "
                 "converted layers read the token grid from the model's forward, so call the model, not the layer"
@@ -106,17 +119,22 @@ class DiffusersMHLA(MHLAttention):
         return grid
 
     def attend(self, q, k, v, grid=None) -> torch.Tensor:
-        """As MHLAttention.attend; a grid axis shorter than its block count is clamped (see `fitted_blocks`)."""
-        if grid is None or self.config.blocks is None or len(grid) != len(self.config.blocks):
+        """As MHLAttention.attend; a grid axis shorter than its block count is clamped (see `fitted_blocks`); under
+        context parallelism, this rank's rows of the whole sequence's attention."""
+        cp = self.context_parallel
+        if cp is None and (grid is None or self.config.blocks is None or len(grid) != len(self.config.blocks)):
             return super().attend(q, k, v, grid)
         blocks, kept = fitted_blocks(tuple(grid), self.config.blocks)
-        if kept is None:
+        if kept is None and cp is None:
             return super().attend(q, k, v, grid)
-        kept = kept.to(self.mixing.device)
-        mixing = self.mixing[..., kept, :][..., kept]
-        return mhla_attention(
-            q, k, v, mixing, grid=grid, blocks=blocks, backend=self.config.backend, **self._op_options()
-        )
+        if kept is not None:
+            kept = kept.to(self.mixing.device)
+        mixing = self.mixing if kept is None else self.mixing[..., kept, :][..., kept]
+        options = dict(grid=grid, blocks=blocks, backend=self.config.backend, **self._op_options())
+        if cp is None:
+            return mhla_attention(q, k, v, mixing, **options)
+        form, group = context_parallel_form(cp)
+        return mhla_attention_context_parallel(q, k, v, mixing, group=group, form=form, **options)
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None, **kwargs):
         if encoder_hidden_states is not None or attention_mask is not None:
@@ -129,6 +147,15 @@ class DiffusersMHLA(MHLAttention):
         if self.clip_fp16 and out.dtype == torch.float16:
             out = out.clip(-65504, 65504)
         return out
+
+
+def context_parallel_form(config) -> tuple[str, Any]:
+    """(form, process group) of `ops.context_parallel` for diffusers' set-up ContextParallelConfig: with only
+    `ulysses_degree` > 1 the ulysses form over its mesh, as the model's softmax layers use; with `ring_degree` > 1
+    (alone or with ulysses) the summaries exchange over the whole mesh, which diffusers splits the tokens over."""
+    if config.ring_degree == 1:
+        return "ulysses", config._ulysses_mesh.get_group()
+    return "summaries", config._flattened_mesh.get_group()
 
 
 class DiffusersAdapter(FamilyAdapter):
@@ -159,6 +186,8 @@ class DiffusersAdapter(FamilyAdapter):
 
     @property
     def model_class(self) -> type:
+        import diffusers
+
         return getattr(diffusers, self.model_classes[0])
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
