@@ -1,0 +1,81 @@
+"""A converted tiny Wan wrapped in DDP and in FSDP2 (`fully_shard`), one training step in two gloo processes: the
+gradients and the updated weights equal one process's step on the whole batch."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+from two_processes import run_two
+
+
+def _model():
+    from mhla_convert import convert
+    from mhla_convert.layer import mhla_layers
+    from mhla_convert.models import tiny_model
+
+    model = tiny_model("tiny-wan").train()
+    convert(model, progress=False)
+    with torch.no_grad():
+        for _, layer in mhla_layers(model):  # weights outside the exact region, so the summaries take gradients
+            layer.mixing.uniform_(0.2, 1.0, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    return (dict(hidden_states=torch.randn(4, 4, 3, 4, 4, generator=g), timestep=torch.tensor([10, 300, 600, 900]),
+                 encoder_hidden_states=torch.randn(4, 8, 16, generator=g)), torch.randn(4, 4, 3, 4, 4, generator=g))
+
+
+def _step(model, inputs, target):
+    loss = torch.nn.functional.mse_loss(model(**inputs).sample, target)
+    loss.backward()
+    grads = {n: p.grad for n, p in getattr(model, "module", model).named_parameters() if p.grad is not None}
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _wrapped(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    base = _model()
+    inputs, target = _batch()
+    one = copy.deepcopy(base)
+    want = _step(one, inputs, target)
+    assert any(".mixing" in n for n in want) and len(want) == len(list(one.parameters()))
+    rows = slice(rank * 2, rank * 2 + 2)  # each process: half of the batch
+    local = {k: v[rows] for k, v in inputs.items()}
+    ddp = DistributedDataParallel(copy.deepcopy(base))
+    fsdp = copy.deepcopy(base)
+    for block in fsdp.blocks:
+        fully_shard(block)
+    fully_shard(fsdp)
+    for name, model in (("ddp", ddp), ("fsdp2", fsdp)):
+        got = _step(model, local, target[rows])
+        params = dict(getattr(model, "module", model).named_parameters())
+        for n, g in want.items():
+            torch.testing.assert_close(_full(got[n]), g, rtol=1e-5, atol=1e-6, msg=f"{name} gradient {n}")
+            torch.testing.assert_close(_full(params[n].detach()), dict(one.named_parameters())[n].detach(),
+                                       rtol=1e-5, atol=1e-6, msg=f"{name} weight {n}")
+    dist.barrier()
+
+
+def test_ddp_and_fsdp2_step_equals_one_process(tmp_path):
+    run_two(_wrapped, tmp_path)
+
+
+def test_accelerate_configs_load():
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    root = Path(__file__).parent.parent / "recipes" / "accelerate"
+    assert load_config_from_file(str(root / "ddp.yaml")).distributed_type == DistributedType.MULTI_GPU
+    fsdp = load_config_from_file(str(root / "fsdp2.yaml"))
+    assert fsdp.distributed_type == DistributedType.FSDP and fsdp.fsdp_config["fsdp_version"] == 2
