@@ -5,6 +5,7 @@ Triton path, and a whole converted forward captured in a CUDA graph."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -95,6 +96,30 @@ def test_compiled_model_equals_eager(name, tiny):
         want = _main(model(**inputs))
         got = _main(torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_converted_lm_with_its_default_cache_compiles_whole(tiny):
+    """A converted LM called as transformers calls it by default (`use_cache=True`: a `DynamicCache`, whose MHLA
+    states are allocated and filled inside the traced forward) traces without a graph break, as the original does;
+    compiled, it returns eager's logits and a cache that the next step, eager or compiled, continues."""
+    torch.manual_seed(0)
+    model = tiny("tiny-llama").eval()
+    mhla_convert.convert(model, ratio=0.5, chunk_size=16)  # softmax and MHLA layers, exact chunks, 40 tokens
+    # (transformers ≥ 5.24 takes the cache as `cache`, earlier releases as `past_key_values`)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    prompt, token = torch.randint(3, 128, (2, 40)), torch.randint(3, 128, (2, 1))
+    explained = torch._dynamo.explain(model)(prompt)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want, got = model(prompt), compiled(prompt)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-6, atol=1e-6)
+        want_next = model(token, **{name: want.past_key_values}).logits
+        got_cache = got.past_key_values
+        assert got_cache.get_seq_length() == 40
+        torch.testing.assert_close(compiled(token, **{name: got_cache}).logits, want_next, rtol=1e-6, atol=1e-6)
+    assert got_cache.get_seq_length() == 41
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["grid", "causal"])

@@ -98,12 +98,12 @@ class DecodeState:
         )
 
     # --- the prompt --------------------------------------------------------------------------
-    @torch.no_grad()
     def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str = "auto") -> None:
         """Start every row afresh from its first `lengths[b]` tokens of k (B, N, H, D), v (B, N, H, Dv);
         the rest of a row is ignored (the caller packs each row's real tokens first). The "prompt" op of
         `ops.dispatch`: `prefill_torch`, or a kernel."""
-        select("prompt", backend, DecodeState.prefill_torch, self, k, v, lengths)(self, k, v, lengths)
+        with torch.no_grad():  # (a context, not a decorator: torch.compile traces it on a state made in its graph)
+            select("prompt", backend, DecodeState.prefill_torch, self, k, v, lengths)(self, k, v, lengths)
 
     def prefill_torch(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
         """`prefill` in torch. Only the K + 2 chunks around a row's open one are summed one by one (the rollback
