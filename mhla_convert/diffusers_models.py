@@ -5,12 +5,13 @@ subclass of `WanTransformer3DModel`) defined here. A pipeline holding one record
 model_index.json as ["mhla_convert.diffusers_models", "MHLAWanTransformer3DModel"], and
 `DiffusionPipeline.from_pretrained`, the family's pipeline class and the class's own
 `from_pretrained(dir, subfolder="transformer")` all load it through this class: mhla-convert's strict
-loader (`io.from_pretrained`). Diffusers resolves a library outside its own only once the process has
-imported it, so without `import mhla_convert` such a pipeline fails to load, naming this module. The
-weights are saved as model*.safetensors, which diffusers' stock loader does not read: the base class's
-own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax attention, and
-once mhla_convert is imported it says the folder is an MHLA checkpoint and what loads it
-(`io.guard_base_loader`; transformers_models.py does the same for the LM classes).
+loader (`io.from_pretrained`). Diffusers imports this module itself once mhla_convert is imported (which lists it
+among the libraries diffusers loads components from: registration.py); without `import mhla_convert` such a pipeline
+fails to load, naming this module. The weights are saved as model*.safetensors, which diffusers' stock loader does
+not read: the base class's own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax
+attention, and once this module is imported (a converted transformer converted or loaded in the process) it says the
+folder is an MHLA checkpoint and what loads it (`io.guard_base_loader`; transformers_models.py does the same for the
+LM classes).
 
 Saved pipelines name this module and these classes: they must keep their names.
 """
@@ -21,17 +22,10 @@ from typing import Any
 
 import diffusers
 from diffusers import ModelMixin  # noqa: F401  diffusers looks a component library's base classes up in it
-from diffusers.pipelines.pipeline_loading_utils import LOADABLE_CLASSES
 
 from .families import adapter_for_config, families
-from .families.base import CONVERTED_PREFIX
 from .io import guard_base_loader
-
-# Diffusers downloads a hub pipeline's component only from a library it lists as loadable (or with a
-# `<component>/<library>.py` file, which would need trust_remote_code): list this module, whose classes
-# load and save as diffusers models do, so `DiffusionPipeline.from_pretrained("owner/name")` fetches it.
-LOADABLE_CLASSES.setdefault(__name__, {"ModelMixin": ["save_pretrained", "from_pretrained"]})
-
+from .registration import CONVERTED_PREFIX
 
 # Options diffusers' loaders pass that leave the loaded model as it is.
 NEUTRAL_OPTIONS = {"low_cpu_mem_usage", "disable_mmap", "offload_state_dict"}

@@ -2,17 +2,19 @@
 
 A converted LM is an instance of `MHLA<base class>` (e.g. `MHLALlamaForCausalLM`, a subclass of
 `LlamaForCausalLM`) with a config of `MHLA<base config class>`, whose `model_type` is `mhla_<base
-type>`. Both are registered with transformers' Auto classes when mhla_convert is imported, and so is
-`MHLA<base model class>` (`MHLALlamaModel`) for `AutoModel`: the converted layers without the LM head,
+type>`. Both are registered with transformers' Auto classes once mhla_convert is imported (registration.py: the
+configs as transformers' Auto classes load, the model classes here, as the first converted config is built), and so
+is `MHLA<base model class>` (`MHLALlamaModel`) for `AutoModel`: the converted layers without the LM head,
 read from the same checkpoint (the head's weights are left out, as transformers does for its own). The config
 carries the conversion record under "mhla"; `__init__` redoes that plan on the freshly built base
 architecture, so transformers' own loader fills in exactly the saved weights (any missing or
 unexpected key is an error). A saved directory also holds `mhla_loader.py`, named by the config's
 `auto_map`: with `trust_remote_code=True` a process that has not imported mhla_convert imports it
 through that module, or is told to `pip install mhla-convert`. Without either, transformers refuses the
-unknown model type: a converted LM never loads as its base model through the Auto classes. Once
-mhla_convert is imported, the base classes themselves (`LlamaForCausalLM`, `LlamaModel`, …) given a
-converted folder say it is an MHLA checkpoint and what loads it (`io.guard_base_loader`).
+unknown model type: a converted LM never loads as its base model through the Auto classes. Once this module is
+imported (a converted LM built, converted or loaded in the process), the base classes themselves
+(`LlamaForCausalLM`, `LlamaModel`, …) given a converted folder say it is an MHLA checkpoint and what loads it
+(`io.guard_base_loader`); before, they fail on the weights' file name (io.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,8 @@ from typing import Any
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .families import adapter_for_family
-from .families.base import CONVERTED_PREFIX
+from .registration import CAUSAL_LMS, CONVERTED_PREFIX, MODEL_TYPE_PREFIX, converted_configs
 
-FAMILY = "llama"  # the transformers family (families/llama.py)
-MODEL_TYPE_PREFIX = "mhla_"
 LOADER_MODULE = "mhla_loader"
 
 LOADER_SOURCE = '''"""Loads this MHLA-converted model through transformers' Auto classes (trust_remote_code=True):
@@ -155,32 +154,17 @@ def _strict_load(load, args, kwargs, *, skipped: str | None = None, inside: bool
     return (model, info) if want_info else model
 
 
-def _weights_file(config) -> str | None:
-    """The weights file transformers' loader reads for this config (its `transformers_weights`): the index of
-    the name only converted classes read, or for a checkpoint saved before that name, transformers' own."""
-    from .io import WEIGHTS_PREFIX, weights_index
-
-    record = getattr(config, "mhla", None) or {}
-    return weights_index(WEIGHTS_PREFIX["transformers"]) if record.get("format_version", 0) >= 3 else None
-
-
 def _converted(base_model: type) -> tuple[type, type, type]:
     """The converted config, LM and base model (AutoModel) classes of a causal LM class."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-    base_config = base_model.config_class
-    config_name, model_name = CONVERTED_PREFIX + base_config.__name__, CONVERTED_PREFIX + base_model.__name__
-    config = type(config_name, (base_config,), {
-        "__module__": __name__, "__qualname__": config_name,
-        "model_type": MODEL_TYPE_PREFIX + base_config.model_type,
-        "register_for_auto_class": classmethod(lambda cls, auto_class="AutoConfig": None),
-        "transformers_weights": property(_weights_file),
-    })
+    config = converted_configs()[base_model.__name__]
+    model_name = CONVERTED_PREFIX + base_model.__name__
     model = type(model_name, (ConvertedCausalLM, base_model), {
         "__module__": __name__, "__qualname__": model_name, "config_class": config,
     })
-    bare_base = getattr(transformers, MODEL_MAPPING_NAMES[base_config.model_type])
+    bare_base = getattr(transformers, MODEL_MAPPING_NAMES[base_model.config_class.model_type])
     bare_name = CONVERTED_PREFIX + bare_base.__name__
     bare = type(bare_name, (ConvertedBaseModel, bare_base), {
         "__module__": __name__, "__qualname__": bare_name, "config_class": config,
@@ -192,7 +176,7 @@ def _register() -> dict[str, tuple[type, type]]:
     import transformers
 
     classes = {}
-    for name in adapter_for_family(FAMILY).model_classes:
+    for name in CAUSAL_LMS:
         config, model, bare = _converted(getattr(transformers, name))
         classes[name] = config, model
         AutoConfig.register(config.model_type, config, exist_ok=True)
@@ -202,7 +186,6 @@ def _register() -> dict[str, tuple[type, type]]:
         _guard(model, "AutoModelForCausalLM.from_pretrained")
         _guard(bare, "AutoModel.from_pretrained")
         globals().update({cls.__name__: cls for cls in (config, model, bare)})
-    _register_peft_targets([config.model_type for config, _ in classes.values()])
     return classes
 
 
@@ -213,22 +196,6 @@ def _guard(converted: type, auto: str) -> None:
     base = next(c for c in converted.__mro__ if c.__name__ == converted.__name__.removeprefix(CONVERTED_PREFIX))
     guard_base_loader(base, lambda cls: issubclass(cls, (ConvertedCausalLM, ConvertedBaseModel)),
                       f"{auto} or {converted.__name__}.from_pretrained")
-
-
-def _register_peft_targets(model_types: list[str]) -> None:
-    """PEFT picks default target modules by `model_type` from its tables: a converted LM keeps its host's
-    module names, so it gets its host's entries (LoRA: q_proj, v_proj)."""
-    try:
-        from peft.utils import constants
-    except ImportError:  # no PEFT, nothing to tell it
-        return
-    tables = [t for name, t in vars(constants).items() if name.startswith("TRANSFORMERS_MODELS_TO_")
-              and name.endswith("_MAPPING") and isinstance(t, dict)]
-    for model_type in model_types:
-        host = model_type.removeprefix(MODEL_TYPE_PREFIX)
-        for table in tables:
-            if host in table:
-                table.setdefault(model_type, table[host])
 
 
 BASE_MODELS: dict[str, type] = {}  # base class name -> converted base model class (AutoModel)

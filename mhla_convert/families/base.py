@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from ..train.recipe import DataSpec, ObjectiveSpec
 
 _REGISTRY: dict[str, type["FamilyAdapter"]] = {}
-CONVERTED_PREFIX = "MHLA"  # a converted model's class: MHLA<base class>, a subclass of the base class
 
 
 class UnsupportedModelError(ValueError):

@@ -13,14 +13,14 @@ import json
 import math
 from typing import Any, Callable, ClassVar
 
-import diffusers
 import torch
 from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops import mhla_attention
 from ..ops.context_parallel import mhla_attention_context_parallel
-from .base import CONVERTED_PREFIX, FamilyAdapter, UnsupportedModelError
+from ..registration import CONVERTED_PREFIX
+from .base import FamilyAdapter, UnsupportedModelError
 
 GRID_ATTR = "_mhla_token_grid"  # the model's TokenGrid, shared by all its converted layers
 TINY_VOCAB = 98  # the tiny text encoders' vocabulary: train/components.py's character tokenizer

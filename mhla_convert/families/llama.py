@@ -16,8 +16,8 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops.rotary import HalfSplitRotary
+from ..registration import CAUSAL_LMS
 from .base import FamilyAdapter, register
-from .lm_cache import mhla_cache_layer
 
 
 def _real_tokens(attention_mask, n: int) -> torch.Tensor | None:
@@ -95,6 +95,8 @@ class MHLALlamaAttention(MHLAttention):
         real = _real_tokens(attention_mask, q.shape[1])  # padding: packed behind the real tokens
         if past_key_values is None:
             return self.output(self.attend_real(q, k, v, real)[0]), None
+        from .lm_cache import mhla_cache_layer  # (transformers' cache classes: imported as the first cache comes)
+
         slot = mhla_cache_layer(past_key_values, self.layer_idx)
         if slot.has_state:
             out = slot.decode(q, k, v, real, self.mixing, self.config)
@@ -139,7 +141,7 @@ HUB = {
 class LlamaAdapter(FamilyAdapter):
     name = "llama"
     library = "transformers"
-    model_classes = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+    model_classes = tuple(CAUSAL_LMS)
     aliases = HUB
     causal = True
     sample_kind = "text"
