@@ -241,11 +241,11 @@ def _calibration(model, source: str, count: int) -> list[dict]:
         raise ValueError(str(error)) from None
 
 
-def _push(directory: Path, repo_id: str, private: bool) -> None:
+def _push(directory: Path, repo_id: str, private: bool, **options) -> None:
     from .hub import push_to_hub
 
     with _step(f"pushing {directory} to {repo_id}"):
-        url = push_to_hub(directory, repo_id, private=private)
+        url = push_to_hub(directory, repo_id, private=private, **options)
     typer.echo(f"pushed: {url}")
 
 
@@ -271,11 +271,24 @@ def push_command(
     directory: Path = typer.Argument(..., help="A checkpoint saved by mhla-convert."),
     repo_id: str = typer.Argument(..., help="Hub repo id, e.g. you/wan2.1-mhla."),
     private: bool = typer.Option(False, help="Create the repo private."),
+    token: Optional[str] = typer.Option(None, help="Hub token (default: the one `hf auth login` stored)."),
+    revision: Optional[str] = typer.Option(None, help="Branch to push to (created when missing)."),
+    create_pr: bool = typer.Option(False, help="Open a pull request instead of committing to the branch."),
+    adapter: Optional[Path] = typer.Option(
+        None, help="Also push this LoRA adapter (DIR/adapter of a `merge: false` run) to its own repo, with the "
+        "model as its base."),
+    adapter_repo: Optional[str] = typer.Option(None, help="With --adapter: its repo id (default: REPO_ID-lora)."),
+    force: bool = typer.Option(False, help="With --adapter: push it even if it was saved for another checkpoint."),
 ) -> None:
-    """Push a saved MHLA checkpoint to the hub with a generated model card."""
+    """Push a saved MHLA checkpoint to the hub with a generated model card (and its LoRA adapter to its own repo)."""
     verbosity.configure_libraries()
     try:
-        _push(directory, repo_id, private)
+        options = dict(token=token, revision=revision, create_pr=create_pr)
+        if adapter is not None:
+            options.update(adapter=adapter, adapter_repo_id=adapter_repo, force=force)
+        elif adapter_repo or force:
+            raise ValueError("--adapter-repo and --force are for --adapter: drop them or add --adapter DIR")
+        _push(directory, repo_id, private, **options)
     except USER_ERRORS as error:
         _fail(error)
 

@@ -18,10 +18,12 @@ Saved pipelines name this module and these classes: they must keep their names.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import diffusers
 from diffusers import ModelMixin  # noqa: F401  diffusers looks a component library's base classes up in it
+from diffusers.utils import PushToHubMixin
 
 from .families import adapter_for_config, families
 from .io import guard_base_loader
@@ -76,18 +78,25 @@ class ConvertedModel:
                         max_shard_size: int | str = "10GB", push_to_hub: bool = False, is_main_process: bool = True,
                         **options: Any) -> None:
         """Save atomically as `mhla_convert.save_pretrained` does (what `pipe.save_pretrained` calls
-        for this component)."""
-        refused = {k: v for k, v in dict(variant=variant, push_to_hub=push_to_hub, **options).items() if v}
+        for this component); with `push_to_hub`, then uploaded by `mhla_convert.push_to_hub` with the
+        project's model card (diffusers' hub options: repo_id, commit_message, private, token, create_pr)."""
+        from .hub import HUB_OPTIONS
+
+        hub = {k: options.pop(k) for k in HUB_OPTIONS if k in options} if push_to_hub else {}
+        refused = {k: v for k, v in dict(variant=variant, **options).items() if v}
         if not safe_serialization:
             refused["safe_serialization"] = False
         if refused:
-            raise ValueError(f"a converted transformer saves as mhla-convert's safetensors checkpoint only (push "
-                             f"with mhla_convert.push_to_hub); {type(self).__name__}.save_pretrained does not "
-                             f"support {', '.join(f'{k}={v!r}' for k, v in refused.items())}")
+            raise ValueError(f"a converted transformer saves as mhla-convert's safetensors checkpoint only; "
+                             f"{type(self).__name__}.save_pretrained does not support "
+                             f"{', '.join(f'{k}={v!r}' for k, v in refused.items())}")
         if is_main_process:
+            from .hub import push_to_hub as push
             from .io import save_pretrained
 
-            save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+            saved = save_pretrained(self, save_directory, max_shard_size=max_shard_size)
+            if push_to_hub:
+                push(saved, hub.pop("repo_id", saved.name), **hub)
 
 
 def _converted(base: type) -> type:
@@ -113,3 +122,24 @@ def _base(cls: type) -> type:
 def converted_class(cls: type) -> type:
     """The converted class of a diffusers transformer class (itself if already converted)."""
     return CONVERTED[_base(cls).__name__]
+
+
+def _upload_with_card(upload):
+    """diffusers' upload (the end of `push_to_hub`, and of `pipe.save_pretrained(push_to_hub=True)`) of a
+    converted transformer or a pipeline holding one, through `mhla_convert.push_to_hub` with the project's
+    model card; anything else, or into a `subfolder` of a repo (no card there), uploads as diffusers does."""
+
+    @functools.wraps(upload)
+    def _upload_folder(self, working_dir, repo_id, token=None, commit_message=None, create_pr=False, subfolder=None):
+        parts = [self, *(getattr(self, "components", None) or {}).values()]
+        if subfolder or not any(isinstance(part, ConvertedModel) for part in parts):
+            return upload(self, working_dir, repo_id, token=token, commit_message=commit_message,
+                          create_pr=create_pr, subfolder=subfolder)
+        from .hub import push_to_hub
+
+        return push_to_hub(working_dir, repo_id, token=token, commit_message=commit_message, create_pr=create_pr)
+
+    return _upload_folder
+
+
+PushToHubMixin._upload_folder = _upload_with_card(PushToHubMixin._upload_folder)

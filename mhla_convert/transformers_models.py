@@ -68,11 +68,13 @@ class ConvertedCausalLM:
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """transformers' save with the current conversion record, plus the loader module and
-        mhla_config.json (`mhla_convert.save_pretrained` is the atomic equivalent)."""
-        if push_to_hub:
-            raise ValueError("push a converted model with mhla_convert.push_to_hub (or `mhla-convert push`), "
-                             "which uploads its MHLA files and model card")
+        mhla_config.json (`mhla_convert.save_pretrained` is the atomic equivalent); with `push_to_hub`, then
+        uploaded by `mhla_convert.push_to_hub` with the project's model card (transformers' hub options:
+        repo_id, commit_message, private, token, revision, create_pr, …)."""
+        from .hub import HUB_OPTIONS
         from .io import mhla_metadata, rename_weights, write_mhla_files
+
+        hub = {k: kwargs.pop(k) for k in HUB_OPTIONS if k in kwargs} if push_to_hub else {}
 
         if kwargs.get("variant"):
             raise ValueError("a converted LM saves without weight variants; drop variant= (or save with "
@@ -83,6 +85,19 @@ class ConvertedCausalLM:
         if kwargs.get("is_main_process", True):
             rename_weights(Path(save_directory))
             write_mhla_files(Path(save_directory), meta)
+            if push_to_hub:
+                from .hub import push_to_hub as push
+
+                push(save_directory, hub.pop("repo_id", Path(save_directory).name), **hub)
+
+    def push_to_hub(self, repo_id: str, **options):
+        """transformers' `push_to_hub` (options: commit_message, commit_description, private, token, revision,
+        create_pr, max_shard_size, tags): saved with the MHLA files and uploaded by `mhla_convert.push_to_hub`
+        with the project's model card. Returns the repo's (or pull request's) URL."""
+        from .hub import push_saved
+
+        shard = {"max_shard_size": options.pop("max_shard_size")} if "max_shard_size" in options else {}
+        return push_saved(lambda folder: self.save_pretrained(folder, **shard), repo_id, **options)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):

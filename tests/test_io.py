@@ -160,7 +160,7 @@ def test_push_to_hub_creates_repo_and_uploads_checkpoint_and_card_in_one_commit(
     assert sorted(files) == ["README.md", "config.json", "eval.json", "mhla_config.json", "model.safetensors"]
     assert files["model.safetensors"] == str(path / "model.safetensors")
     card = files["README.md"].decode()
-    assert "base_model: Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in card and "library_name: mhla-convert" in card
+    assert "base_model: Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in card and "library_name: diffusers" in card
     uploaded_eval = json.loads(files["eval.json"])
     assert str(tmp_path) not in files["eval.json"].decode()
     assert uploaded_eval["meta"]["model"] == "ckpt" and uploaded_eval["meta"]["data"]["path"] == "latents"

@@ -1,7 +1,8 @@
 """Converted models with PEFT: default LoRA targets find converted layers, old checkpoints (MHLA
-names) still load, adapters a `merge: false` run saves load with PeftModel, diffusers' LoRA loader
-and `sample --adapter` to exactly the model a `merge: true` run saves, and a foreign adapter is
-refused in one line."""
+names) still load, adapters a `merge: false` run saves load with PeftModel, AutoPeftModelForCausalLM,
+diffusers' LoRA loaders and `sample --adapter` to exactly the model a `merge: true` run saves (or the
+trained one), and a foreign adapter, or one trained on another model of the same shapes, is refused in
+one line unless forced."""
 
 import json
 
@@ -13,7 +14,8 @@ from typer.testing import CliRunner
 import mhla_convert
 from mhla_convert.cli import app
 from mhla_convert.train import TrainError, parse_recipe
-from mhla_convert.train.lora import load_adapter
+from mhla_convert.train.lora import add_lora, load_adapter, save_adapter
+from mhla_convert.train.recipe import LoraSpec
 from mhla_convert.train.trainer import train
 
 QUIET = dict(log=lambda *_: None)
@@ -106,6 +108,7 @@ def test_saved_adapter_reloads_as_the_merged_model(lora_runs):
     assert not torch.equal(before, expected)
     config = json.loads((root / "kept" / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == str(root / "kept" / "model")
+    assert config["task_type"] == ("CAUSAL_LM" if family == "llama" else None)
     with_adapter = PeftModel.from_pretrained(base, root / "kept" / "adapter")
     torch.testing.assert_close(_output(with_adapter, inputs), expected)  # unmerged: x·W + x·A·B, other rounding
     assert torch.equal(_output(with_adapter.merge_and_unload(), inputs), expected)
@@ -122,6 +125,10 @@ def test_saved_adapter_loads_with_the_diffusers_pipeline(lora_runs):
     base = mhla_convert.from_pretrained(root / "kept" / "model")
     merged = mhla_convert.from_pretrained(root / "merged" / "model")
     inputs = _inputs(base, family)
+    transformer = mhla_convert.from_pretrained(root / "kept" / "model")
+    transformer.load_lora_adapter(root / "kept" / "adapter", weight_name="pytorch_lora_weights.safetensors")
+    transformer.fuse_lora()
+    assert torch.equal(_output(transformer, inputs), _output(merged, inputs))
     pipe = pipeline("sana", base, "tiny-sana")
     pipe.load_lora_weights(root / "kept" / "adapter")
     torch.testing.assert_close(_output(pipe.transformer, inputs), _output(merged, inputs))
@@ -149,3 +156,46 @@ def test_sample_takes_an_adapter_and_refuses_a_foreign_one(lora_runs, tmp_path):
     assert "does not fit this model" in result.stderr
     with pytest.raises(TrainError, match="is not a PEFT adapter"):
         load_adapter(other, tmp_path)
+
+
+def _trained_lora(seed: int):
+    """A converted tiny Qwen3 with LoRA layers whose weights are not PEFT's zero start."""
+    torch.manual_seed(seed)
+    model = mhla_convert.tiny_model("tiny-qwen3")
+    with torch.no_grad():  # another model of the same shapes per seed
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    mhla_convert.convert(model, progress=False)
+    return model
+
+
+def test_adapter_loads_with_auto_peft_and_is_refused_on_another_base(tmp_path):
+    from huggingface_hub import ModelCard
+    from peft import AutoPeftModelForCausalLM, PeftModel
+
+    model = _trained_lora(0)
+    base = mhla_convert.save_pretrained(model, tmp_path / "model")
+    add_lora(model, LoraSpec(r=4, alpha=8))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()
+    model.eval()
+    ids = torch.randint(0, 128, (2, 24))
+    trained = _output(model, {"input_ids": ids})
+    save_adapter(model, tmp_path / "adapter", base=str(base))
+    assert torch.equal(_output(model, {"input_ids": ids}), trained)  # saving leaves the model as it was
+    card = ModelCard.load(tmp_path / "adapter" / "README.md").data.to_dict()
+    assert card["library_name"] == "peft" and "mhla-convert" in card["tags"] and "base_model" not in card
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    assert torch.equal(_output(loaded, {"input_ids": ids}), trained)
+    assert torch.equal(_output(load_adapter(mhla_convert.from_pretrained(base), tmp_path / "adapter"),
+                               {"input_ids": ids}), _output(loaded.merge_and_unload(), {"input_ids": ids}))
+
+    other = _trained_lora(1)
+    with pytest.raises(TrainError, match="trained on another model than this one.*force=True") as refused:
+        load_adapter(other, tmp_path / "adapter")
+    assert "\n" not in str(refused.value)
+    expected = _output(PeftModel.from_pretrained(_trained_lora(1), tmp_path / "adapter").merge_and_unload(),
+                       {"input_ids": ids})
+    assert torch.equal(_output(load_adapter(other, tmp_path / "adapter", force=True), {"input_ids": ids}), expected)

@@ -68,6 +68,9 @@ def sample(
     adapter: Optional[Path] = typer.Option(
         None, "--adapter", help="A LoRA adapter folder to merge in first (DIR/adapter of a `merge: false` run)."
     ),
+    force: bool = typer.Option(
+        False, "--force", help="With --adapter: merge it in even if it was trained on another model of the same "
+        "shapes."),
 ) -> None:
     """Sample from a converted checkpoint with its family's pipeline (or `generate` for LMs)."""
 
@@ -79,7 +82,7 @@ def sample(
         path = _sample(
             checkpoint, prompt, out, class_label=class_label, steps=steps, guidance_scale=guidance_scale, height=height,
             width=width, num_frames=num_frames, max_new_tokens=max_new_tokens, seed=seed, device=device, image=image,
-            lora_adapter=adapter, subfolder=subfolder,
+            lora_adapter=adapter, force=force, subfolder=subfolder,
         )
         typer.echo(f"wrote {path}")
 

@@ -99,9 +99,10 @@ def check_sample_options(adapter, skeleton, out: Path, *, prompt, class_label, s
 def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = None, steps: int = 20,
            guidance_scale: float | None = None, height: int | None = None, width: int | None = None,
            num_frames: int | None = None, max_new_tokens: int = 32, seed: int = 0, device: str | None = None,
-           image=None, lora_adapter=None, subfolder: str | None = None) -> Path:
+           image=None, lora_adapter=None, force: bool = False, subfolder: str | None = None) -> Path:
     """`prompt` None: a default prompt (text-conditional families); class-conditional ones take
-    `class_label` (default 0) instead. `lora_adapter`: a PEFT adapter folder merged in first."""
+    `class_label` (default 0) instead. `lora_adapter`: a PEFT adapter folder merged in first (one trained on
+    another model of the same shapes only with `force`)."""
     checkpoint, out = _in_subfolder(resolve_saved(checkpoint), subfolder), Path(out)
     meta, adapter, skeleton = _skeleton(checkpoint)
     check_sample_options(adapter, skeleton, out, prompt=prompt, class_label=class_label, steps=steps,
@@ -111,7 +112,7 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = _load(checkpoint, device)
     if lora_adapter is not None:
-        model = load_adapter(model, resolve_saved(lora_adapter))
+        model = load_adapter(model, resolve_saved(lora_adapter), force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     with watch_outputs(model) as watch:
         try:

@@ -574,17 +574,20 @@ class Trainer:
         if acc.is_main_process:
             from .. import push_to_hub, save_pretrained
 
+            adapter = None
             if has_lora(model):
                 lora = self.recipe.stages[-1].lora
                 if not lora.merge:
-                    save_adapter(model, self.out / "adapter", base=str(target))
+                    adapter = self.out / "adapter"
+                    save_adapter(model, adapter, base=str(target))
                 remove_lora(model, merge=lora.merge)
             save_pretrained(model, target)
             self.log(f"saved {target}")
             if self.best.summary():
                 self.log(self.best.summary())
             if self.recipe.push_to_hub:
-                push_to_hub(target, self.recipe.push_to_hub.repo_id, private=self.recipe.push_to_hub.private)
+                push_to_hub(target, self.recipe.push_to_hub.repo_id, private=self.recipe.push_to_hub.private,
+                            adapter=adapter)  # an adapter goes to a repo of its own, on the model
         acc.wait_for_everyone()
         acc.end_training()
         return target
