@@ -136,9 +136,14 @@ def check_conversion(model: nn.Module, *, ratio: float = 1.0, strategy: str = "s
     adapter = adapter_for_model(model)
     if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
         raise ValueError("this model is already converted; load the original to convert it again")
+    num_layers = len(adapter.attention_modules(model))
     if layers is not None:
-        plan_layers(len(adapter.attention_modules(model)), layers=layers)
-    return resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
+        plan_layers(num_layers, layers=layers)
+    config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)
+    auto = layers is None and strategy == "auto"  # (which layers `auto` keeps is known once it has tried each)
+    chosen = range(num_layers) if auto else plan_layers(num_layers, ratio=ratio, strategy=strategy, layers=layers)
+    adapter.check_layers(model, list(chosen), config)
+    return config
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Any]) -> ConversionReport:

@@ -117,14 +117,15 @@ class ConvertedBaseModel:
             raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
                              "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
         from .convert import PLAN_ATTR
-        from .families.llama import MHLALlamaAttention
+        from .families import adapter_for_family
         from .io import recorded_source
         from .layer import MHLAConfig
         from .locations import SOURCE_ATTR
 
         mhla = MHLAConfig.from_dict(meta["mhla"])  # as resolved at conversion: every option is recorded
+        attention = adapter_for_family(meta["family"]).attention_class
         for index in meta["plan"]["layers"]:  # the whole model's convert_layer, on its base model's layers
-            self.layers[index].self_attn = MHLALlamaAttention(self.layers[index].self_attn, mhla)
+            self.layers[index].self_attn = attention(self.layers[index].self_attn, mhla)
         setattr(self, PLAN_ATTR, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
         setattr(self, SOURCE_ATTR, recorded_source(meta))
 

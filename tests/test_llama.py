@@ -1,20 +1,21 @@
-"""The Llama-style LM family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm), Mistral
-(sliding window) — tiny random models, no downloads."""
+"""The Llama-style LM family: Llama, Qwen2 (q/k/v bias), Qwen3 (per-head q/k norm), Qwen3-MoE (Qwen3's attention,
+experts untouched), Mistral (sliding window) — tiny random models, no downloads."""
 
 import copy
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from mhla_convert.convert import convert
-from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model
+from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model, families
 from mhla_convert.families.llama import MHLALlamaAttention
-from mhla_convert.families.lm_cache import MHLACacheLayer
+from mhla_convert.families.lm_cache import MHLACacheLayer, MHLAStaticLayer
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
 from mhla_convert.ops.rotary import HalfSplitRotary
+from mhla_convert.registration import CAUSAL_LMS
 
 ADAPTER = adapter_for_family("llama")
 FAMILIES = [name.removeprefix("tiny-") for name in ADAPTER.tiny_configs()]
@@ -47,7 +48,7 @@ def test_weights_move_in_and_shapes_stay(family):
         assert isinstance(new, MHLALlamaAttention) and new.layer_idx == host.layer_idx
         assert (new.to_q, new.to_k, new.to_v, new.to_out) == (host.q_proj, host.k_proj, host.v_proj, host.o_proj)
         assert (new.to_q.bias is not None) == (family == "qwen2")
-        if family == "qwen3":
+        if family.startswith("qwen3"):
             assert (new.norm_q, new.norm_k) == (host.q_norm, host.k_norm)
         assert not any(p.is_meta for p in new.parameters())
     assert sum(p.numel() for p in model.parameters()) == before + report.params_added == before + 4 * 8
@@ -80,7 +81,7 @@ def test_layer_equals_explicit_reference_and_host_projection(family):
     host_rope = __import__(type(teacher).__module__, fromlist=["x"]).apply_rotary_pos_emb
     hq = teacher.q_proj(x).view(2, 37, -1, teacher.head_dim)
     hk = teacher.k_proj(x).view(2, 37, -1, teacher.head_dim)
-    if family == "qwen3":
+    if family.startswith("qwen3"):
         hq, hk = teacher.q_norm(hq), teacher.k_norm(hk)
     hq, hk = host_rope(hq.transpose(1, 2), hk.transpose(1, 2), cos, sin)
     torch.testing.assert_close(q, hq.transpose(1, 2))
@@ -108,7 +109,8 @@ def test_explicit_layers():
 
 
 @pytest.mark.parametrize(
-    "family, ratio", [("llama", 1.0), ("llama", 0.5), ("qwen2", 0.5), ("qwen3", 1.0), ("mistral", 0.5)]
+    "family, ratio",
+    [("llama", 1.0), ("llama", 0.5), ("qwen2", 0.5), ("qwen3", 1.0), ("qwen3-moe", 0.5), ("mistral", 0.5)],
 )
 def test_generate_with_cache_equals_without(family, ratio):
     model = tiny(family)
@@ -200,6 +202,7 @@ def test_adapter_builds_and_detects():
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "qwen3-moe": Qwen3MoeForCausalLM,
         "mistral": MistralForCausalLM,
     }
     assert ADAPTER.tiny_config() == ADAPTER.tiny_configs()["tiny-llama"]
@@ -231,3 +234,26 @@ def test_trains_mixing_and_host_weights():
     model(x, labels=x).loss.backward()
     attn = model.model.layers[1].self_attn
     assert attn.mixing.grad is not None and attn.to_q.weight.grad is not None and attn.norm_q.weight.grad is not None
+
+
+def test_qwen3_moe_converts_attention_only_and_decodes_on_a_static_cache():
+    """Experts and router stay the same modules with the same weights; static-cache decoding equals dynamic."""
+    model = tiny("qwen3-moe")
+    mlps = [layer.mlp for layer in model.model.layers]
+    weights = {name: p.clone() for name, p in model.named_parameters() if ".mlp." in name}
+    assert type(mlps[0]).__name__ == "Qwen3MoeSparseMoeBlock" and type(mlps[3]).__name__ == "Qwen3MoeMLP"
+    convert(model, ratio=1.0, chunk_size=C)
+    assert [layer.mlp for layer in model.model.layers] == mlps
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters() if ".mlp." in name)
+    prompt = ids()
+    kw = dict(return_dict_in_generate=True, output_logits=True, min_new_tokens=20)
+    dynamic, static = greedy(model, prompt, **kw), greedy(model, prompt, cache_implementation="static", **kw)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=1e-4)
+    assert all(isinstance(slot, MHLAStaticLayer) for slot in static.past_key_values.layers)
+
+
+def test_transformers_families_are_the_registered_converted_lms():
+    """Every class a transformers family converts has converted classes for the Auto loaders, and no other."""
+    converted = {name for cls in families().values() if cls.library == "transformers" for name in cls.model_classes}
+    assert converted == set(CAUSAL_LMS)

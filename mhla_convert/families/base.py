@@ -89,8 +89,8 @@ class FamilyAdapter:
     required for diffusion pipelines (image / video folders, sampling): `pipeline_name`, `tiny_components`,
     `encode_latents`, `encode_conditions`;
     required, to reload through the library's own loaders: `mark_converted`, `base_config`;
-    optional: `native_grid`, `default_options`, `prepare`, `tiny_configs` (variants), `load_single_file`,
-    `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`, `loader_files`.
+    optional: `native_grid`, `default_options`, `check_layers`, `prepare`, `tiny_configs` (variants),
+    `load_single_file`, `check_folder_spec`, `cache_name`, `takes_first_frame`, `pipeline_tag`, `loader_files`.
 
     A required hook left out raises NotImplementedError naming the family and the hook.
     """
@@ -122,6 +122,10 @@ class FamilyAdapter:
     def default_options(self, model: nn.Module) -> dict[str, Any]:
         """Family defaults for MHLAConfig fields (e.g. SANA's eps and scale)."""
         return {}
+
+    def check_layers(self, model: nn.Module, indices: list[int], config: MHLAConfig) -> None:
+        """Refuse (ValueError) layers among `indices` that `config` would not convert faithfully (a sliding window
+        shorter than the exact span): run before any layer changes."""
 
     # --- how to convert --------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> None:

@@ -1,9 +1,10 @@
-"""Llama-style causal LMs (transformers): Llama, Qwen2, Qwen3, Mistral.
+"""Llama-style causal LMs (transformers): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral.
 
 `model.model.layers[i].self_attn` becomes an `MHLALlamaAttention` that keeps the host's call
 signature and return value, so the decoder layer runs unchanged. The host's q/k/v/o projections
 (Qwen2: with biases) and Qwen3's per-head q/k RMSNorms move in as they are, under their own names
-(so PEFT's default LoRA targets, q_proj and v_proj, find them); only `mixing` is new.
+(so PEFT's default LoRA targets, q_proj and v_proj, find them); only `mixing` is new. Qwen3-MoE's attention
+is Qwen3's: its experts and router live in the MLP, which conversion leaves alone.
 Decoding keeps a fixed-size recurrent state in the generation cache, dynamic or static (lm_cache.py).
 """
 
@@ -16,7 +17,6 @@ from torch import nn
 
 from ..layer import MHLAConfig, MHLAttention
 from ..ops.rotary import HalfSplitRotary
-from ..registration import CAUSAL_LMS
 from .base import FamilyAdapter, register
 
 
@@ -123,6 +123,15 @@ class MHLALlamaAttention(MHLAttention):
         return out, k, v, real.sum(1)
 
 
+def layers_of_type(model: nn.Module, layer_type: str) -> list[int]:
+    """The indices of `model`'s layers whose `config.layer_types` entry is `layer_type` ("sliding_attention",
+    "full_attention"): `convert(model, layers=layers_of_type(model, "sliding_attention"))` converts one kind."""
+    types = list(getattr(model.config, "layer_types", None) or [])
+    if layer_type not in types:
+        raise ValueError(f"no layer of type {layer_type!r}: this model's layer types are {sorted(set(types))}")
+    return [i for i, kind in enumerate(types) if kind == layer_type]
+
+
 HUB = {
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
@@ -133,6 +142,7 @@ HUB = {
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
     "qwen3-1.7b": "Qwen/Qwen3-1.7B",
     "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "mistral-7b": "mistralai/Mistral-7B-v0.1",
 }
 
@@ -141,10 +151,12 @@ HUB = {
 class LlamaAdapter(FamilyAdapter):
     name = "llama"
     library = "transformers"
-    model_classes = tuple(CAUSAL_LMS)
+    model_classes = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                     "MistralForCausalLM")
     aliases = HUB
     causal = True
     sample_kind = "text"
+    attention_class: type[MHLALlamaAttention] = MHLALlamaAttention  # what replaces each converted `self_attn`
 
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         return [layer.self_attn for layer in model.model.layers]
@@ -167,7 +179,7 @@ class LlamaAdapter(FamilyAdapter):
 
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         layer = model.model.layers[index]
-        layer.self_attn = MHLALlamaAttention(layer.self_attn, config)
+        layer.self_attn = self.attention_class(layer.self_attn, config)
         return layer.self_attn
 
     def tiny_config(self) -> dict[str, Any]:
@@ -175,8 +187,9 @@ class LlamaAdapter(FamilyAdapter):
 
     def tiny_configs(self) -> dict[str, dict[str, Any]]:
         """One tiny model per class, each exercising what sets it apart: GQA everywhere, Qwen2's
-        q/k/v biases, Qwen3's q/k norms with head_dim ≠ hidden / heads, Mistral's sliding window."""
-        from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+        q/k/v biases, Qwen3's q/k norms with head_dim ≠ hidden / heads, Qwen3-MoE's experts (and one dense
+        layer), Mistral's sliding window."""
+        from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
         common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
@@ -184,6 +197,9 @@ class LlamaAdapter(FamilyAdapter):
             "tiny-llama": LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
             "tiny-qwen2": Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
             "tiny-qwen3": Qwen3Config(**common, head_dim=24, architectures=["Qwen3ForCausalLM"]),
+            "tiny-qwen3-moe": Qwen3MoeConfig(**common, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, mlp_only_layers=[3],
+                                             architectures=["Qwen3MoeForCausalLM"]),
             "tiny-mistral": MistralConfig(**common, sliding_window=16, architectures=["MistralForCausalLM"]),
         }
         return {name: config.to_dict() for name, config in configs.items()}

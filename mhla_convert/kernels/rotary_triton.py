@@ -82,7 +82,8 @@ def norm_rotate_triton(x, cos, sin, *, head_dim, norm):
 # per-head RMSNorms whose forward is x·rsqrt(mean(x²) + eps)·weight over the last dim (transformers' own classes,
 # by name: their modules are not importable from one place), with the attribute holding their eps
 _HEAD_NORMS = {"RMSNorm": "eps", "LlamaRMSNorm": "variance_epsilon", "Qwen2RMSNorm": "variance_epsilon",
-               "Qwen3RMSNorm": "variance_epsilon", "MistralRMSNorm": "variance_epsilon"}
+               "Qwen3RMSNorm": "variance_epsilon", "Qwen3MoeRMSNorm": "variance_epsilon",
+               "MistralRMSNorm": "variance_epsilon"}
 
 
 def _head_norm_eps(norm, x) -> float:
