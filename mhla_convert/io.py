@@ -254,6 +254,23 @@ def write_file_atomically(target: Path, write) -> Path:
     return target
 
 
+def check_writable(path) -> Path:
+    """`path`, a file or directory some output will be written to, refused (ValueError) before any work when it
+    cannot be: a file in the way of a directory it would make, or a folder nothing can be made in (tried with a
+    temporary directory, removed at once)."""
+    path = Path(path).expanduser()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing != path and not existing.is_dir():
+        raise ValueError(f"cannot write {path}: {existing} is a file, not a directory")
+    folder = existing if existing.is_dir() else existing.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mhla-write-check-", dir=folder))
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: nothing can be made in {folder} ({error.strerror}); "
+                         "give a path you can write to") from None
+    return path
+
+
 def check_save_target(directory) -> Path:
     """The resolved directory a save may write: new, empty or an MHLA checkpoint or a pipeline holding one
     (replaced). A save of it that was cut off between its two renames is recovered first."""
