@@ -23,9 +23,12 @@ throwaway init), redo the saved conversion plan, then load the state dict strict
                          with random weights); the converted config class names the index as its
                          `transformers_weights`, so the Auto classes read it
     mhla_loader.py       LMs: the module `auto_map` names, which imports mhla_convert
-    mhla_config.json     family, base model, the plan (layers, attention kind, how the layers were
-                         chosen and, for strategy "auto", every layer's sensitivity), every MHLA
-                         option, package version
+    tokenizer*, generation_config.json, ...
+                         LMs: the base model's companion files (`locations.COMPANIONS`), copied byte for byte;
+                         a built-in tiny LM's character tokenizer
+    mhla_config.json     family, base model (a hub id or tiny name; never a local path), the plan
+                         (layers, attention kind, how the layers were chosen and, for strategy "auto",
+                         every layer's sensitivity), every MHLA option, package version
 
 Format 1 (before converted classes) had the base model's config in config.json; format 2 had LM
 weights as model*.safetensors. Both still load, here and (format 2) through the Auto classes.
@@ -66,12 +69,15 @@ from .convert import PLAN_ATTR, apply_plan
 from .families import adapter_for_family
 from .layer import mhla_layers
 from .locations import (
+    COMPANIONS,
     HUB_ERRORS,
     HUB_ID,
     MHLA_CONFIG,
     SOURCE_ATTR,
+    TOKENIZER_FILES,
     checkpoint_dir,
     hub_unreachable,
+    is_companion,
     one_line,
     read_json,
 )
@@ -110,9 +116,11 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         "family": adapter.name,
         "library": adapter.library,
         "model_class": base_class.__name__,
-        "base_model": source.get("base_model"),
+        "base_model": _recordable(source.get("base_model")),
         "base_model_revision": source.get("revision"),
         "base_model_subfolder": source.get("subfolder"),
+        "base_model_name": source.get("name"),  # a local base's folder name, for a card
+        "base_model_card": source.get("card"),  # and its own card's license and task
         "plan": {
             "num_layers": plan["num_layers"], "layers": plan["layers"], "attention": plan.get("attention", "mhla"),
             "strategy": plan.get("strategy"),
@@ -121,6 +129,12 @@ def mhla_metadata(model: nn.Module) -> dict[str, Any]:
         "mhla": plan["mhla_config"],
         "buffer_dtypes": _unsaved_buffer_dtypes(model),
     }
+
+
+def _recordable(base: str | None) -> str | None:
+    """The base model as a checkpoint records it: a hub id or tiny name; not a local path, which would be published
+    with it (checkpoints written before local bases went unrecorded hold one)."""
+    return None if base is None or Path(base).expanduser().is_absolute() else base
 
 
 def _unsaved_buffer_dtypes(model: nn.Module) -> dict[str, str]:
@@ -143,10 +157,31 @@ def redo_plan(model: nn.Module, meta: dict[str, Any]) -> None:
     apply_plan(model, {"family": meta["family"], **meta["plan"], "mhla_config": meta["mhla"]})
 
 
+def write_companions(model: nn.Module, directory: Path, library: str) -> None:
+    """Copy `model`'s companion files (SOURCE_ATTR: its base's tokenizer, generation config, ...) into `directory`
+    byte for byte; a built-in tiny LM without them gets its character tokenizer, saved by transformers."""
+    source = getattr(model, SOURCE_ATTR, None) or {}
+    companions = source.get("companions") or {}
+    for name, path in companions.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, directory / name)
+    from .train.components import char_tokenizer, is_tiny
+
+    if not companions and library == "transformers" and is_tiny(source.get("base_model")):
+        char_tokenizer().save_pretrained(directory)
+
+
+def own_companions(directory: Path) -> dict[str, str]:
+    """The companion files a checkpoint folder holds (name -> path): what a save of the model loaded from it copies."""
+    return {f.relative_to(directory).as_posix(): str(f) for f in sorted(directory.rglob("*"))
+            if f.is_file() and is_companion(f.relative_to(directory).as_posix())}
+
+
 def recorded_source(meta: dict[str, Any]) -> dict[str, Any]:
     """What the record says the model was converted from (the model's SOURCE_ATTR)."""
     return {"base_model": meta.get("base_model"), "revision": meta.get("base_model_revision"),
-            "subfolder": meta.get("base_model_subfolder")}
+            "subfolder": meta.get("base_model_subfolder"), "name": meta.get("base_model_name"),
+            "card": meta.get("base_model_card")}
 
 
 def write_mhla_files(directory: Path, meta: dict[str, Any]) -> None:
@@ -194,9 +229,10 @@ def rename_weights(directory: Path) -> None:
     index_single_file(directory, prefix)
 
 
-def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size, extra) -> None:
+def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], max_shard_size) -> None:
     adapter = adapter_for_family(meta["family"])
     config = {**adapter.model_config(model), "mhla": meta}
+    config.pop("_name_or_path", None)  # where the libraries loaded the base from: a local path, often
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     prefix = WEIGHTS_PREFIX[adapter.library]
     save_torch_state_dict(
@@ -204,19 +240,18 @@ def _write_checkpoint(model: nn.Module, directory: Path, meta: dict[str, Any], m
     )
     if prefix != LEGACY_PREFIX:
         index_single_file(directory, prefix)
-    if extra is not None:
-        extra(directory)
+    write_companions(model, directory, adapter.library)
     write_mhla_files(directory, meta)
 
 
-def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB", extra=None) -> Path:
+def save_pretrained(model: nn.Module, directory, *, max_shard_size: int | str = "5GB") -> Path:
     """Save a converted model to `directory` atomically; an existing MHLA checkpoint there is replaced.
-    `extra(folder)`, when given, writes further files (a tokenizer, …) into the checkpoint before it
-    is complete, so they are part of the same atomic save."""
+    An LM's companion files (its base's tokenizer, chat template, generation config, ...) are part of the
+    same atomic save (`write_companions`)."""
     meta = mhla_metadata(model)
     json.dumps(meta)  # fail before writing anything if an option (a callable feature map) is not JSON
     target = check_save_target(directory)
-    return write_atomically(target, lambda staging: _write_checkpoint(model, staging, meta, max_shard_size, extra))
+    return write_atomically(target, lambda staging: _write_checkpoint(model, staging, meta, max_shard_size))
 
 
 def write_atomically(target: Path, write) -> Path:
@@ -529,7 +564,10 @@ def _with_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
     return state
 
 
-def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None, hub: dict[str, Any]) -> Path:
+def local_checkpoint(dir_or_hub_id, revision: str | None = None, subfolder: str | None = None,
+                     hub: dict[str, Any] | None = None) -> Path:
+    """The folder of the checkpoint in a directory or hub repo (through the local cache in offline mode, as
+    huggingface_hub resolves it): the given subfolder, or a pipeline's transformer/."""
     path = resolve_saved(dir_or_hub_id)
     if path.is_dir():
         return path / subfolder if subfolder else checkpoint_dir(path)
@@ -539,12 +577,24 @@ def _local_checkpoint(dir_or_hub_id, revision: str | None, subfolder: str | None
 
     folder = f"{subfolder}/" if subfolder else ""
     try:
-        return Path(snapshot_download(
+        snapshot = Path(snapshot_download(
             str(dir_or_hub_id), revision=revision,
-            allow_patterns=[f"{folder}*.json", f"{folder}*.safetensors", f"{folder}*.md"], **hub,
-        )) / (subfolder or "")
+            allow_patterns=[f"{folder}{pattern}" for pattern in ("*.json", "*.safetensors", "*.md", *COMPANIONS)],
+            **(hub or {}),
+        ))
     except HUB_ERRORS as error:
         raise hub_unreachable(str(dir_or_hub_id), error) from error
+    return snapshot / subfolder if subfolder else checkpoint_dir(snapshot)
+
+
+def _own_components(dir_or_hub_id, directory: Path) -> str | None:
+    """Where a loaded checkpoint's tokenizer or pipeline parts come from when it holds them: an LM's own folder with
+    its tokenizer; the pipeline around a transformer (a hub pipeline by its id, whose parts diffusers fetches)."""
+    if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return str(directory)
+    if (directory.parent / "model_index.json").is_file():
+        return str(directory.parent) if resolve_saved(dir_or_hub_id).is_dir() else str(dir_or_hub_id)
+    return None
 
 
 def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, dtype=None, torch_dtype=None, device=None,
@@ -560,7 +610,7 @@ def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, dtype=None, 
     device = loader_device(device, device_map)
     hub = {k: v for k, v in (("token", token), ("local_files_only", local_files_only), ("cache_dir", cache_dir))
            if v not in (None, False)}
-    directory = _local_checkpoint(dir_or_hub_id, revision, subfolder, hub)
+    directory = local_checkpoint(dir_or_hub_id, revision, subfolder, hub)
     meta = read_mhla_config(directory)
     with init_empty_weights(include_buffers=False):  # parameters on meta; buffers (RoPE tables) real
         try:
@@ -578,5 +628,9 @@ def from_pretrained(dir_or_hub_id, *, subfolder: str | None = None, dtype=None, 
         model.tie_weights()  # assign=True gives tied names separate Parameters over one storage
     if torch_dtype is None:  # as saved: outputs match bitwise (as the converted classes' own loaders do)
         restore_buffer_dtypes(model, meta.get("buffer_dtypes", {}))
-    setattr(model, SOURCE_ATTR, recorded_source(meta))
+    from .train.components import is_tiny
+
+    source = recorded_source(meta)  # a built-in tiny model's parts are built in-process, as it was
+    own = None if is_tiny(source["base_model"]) else _own_components(dir_or_hub_id, directory)
+    setattr(model, SOURCE_ATTR, {**source, "components": own, "companions": own_companions(directory)})
     return place_model(model, torch_dtype, device).eval()  # in another dtype: placement.py's policy

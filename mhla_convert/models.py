@@ -31,7 +31,9 @@ from .locations import (
     SOURCE_ATTR,
     TRANSPORT_ERRORS,
     checkpoint_dir,
+    hub_offline,
     hub_unreachable,
+    is_companion,
     read_json,
 )
 from .placement import check_device, keep_fp32_modules, loader_device, loader_dtype, parse_dtype, place_model
@@ -116,7 +118,9 @@ def _local_source(path: Path, subfolder: str | None = None) -> Source:
 
 
 def hub_options(token=None, local_files_only: bool = False, cache_dir=None) -> dict[str, Any]:
-    """The hub options the libraries' loaders and huggingface_hub take alike, those set."""
+    """The hub options the libraries' loaders and huggingface_hub take alike, those set. In offline mode
+    (HF_HUB_OFFLINE) files come from the local cache alone, as the libraries' own loaders take them."""
+    local_files_only = local_files_only or hub_offline()
     return {k: v for k, v in (("token", token), ("local_files_only", local_files_only), ("cache_dir", cache_dir))
             if v not in (None, False)}
 
@@ -264,10 +268,45 @@ def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
         raise hub_unreachable(source.location, error) from error
     if adapter.library == "diffusers":
         keep_fp32_modules(model)
+    setattr(model, SOURCE_ATTR, _loaded_from(source, adapter.library))
+    return place_model(model, None, device).eval()
+
+
+def _loaded_from(source: Source, library: str) -> dict[str, Any]:
+    """A loaded base model's SOURCE_ATTR: a hub base by its id; a local one by its folder in memory only, and in a
+    checkpoint by its folder's name and its model card's license and task (what a card of the result carries)."""
     # a single file's other pipeline parts (VAE, text encoder) come from where its config came from
     base = source.config_source if source.kind == "single_file" else source.location
-    setattr(model, SOURCE_ATTR, {"base_model": base, "revision": source.revision, "subfolder": source.subfolder})
-    return place_model(model, None, device).eval()
+    on_hub = source.kind == "hub" or (source.kind == "single_file" and not Path(base).exists())
+    found = {"base_model": base if on_hub else None, "revision": source.revision, "subfolder": source.subfolder,
+             "companions": companion_files(source) if library == "transformers" else {}}
+    if on_hub:
+        return found
+    from .hub import _base_card_data
+
+    card = _base_card_data(base, None, source.subfolder)
+    return {**found, "components": base, "name": Path(base).resolve().name,
+            "card": {k: card[k] for k in ("license", "license_name", "pipeline_tag") if card.get(k)} or None}
+
+
+def companion_files(source: Source) -> dict[str, str]:
+    """The `COMPANIONS` of a local or hub base (name in the checkpoint -> local file, a hub repo's from the cache):
+    each from the model's subfolder where it has one, else from the folder or repo root, as the source has them."""
+    if source.kind not in ("local", "hub"):
+        return {}
+    chosen = {}
+    for folder in ("", *([f"{source.subfolder}/"] if source.subfolder else [])):  # the subfolder's copy wins
+        chosen.update({name[len(folder):]: name for name in sorted(source.files)
+                       if name.startswith(folder) and is_companion(name[len(folder):])})
+    if source.kind == "local":
+        return {name: str(Path(source.location) / path) for name, path in chosen.items()}
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return {name: hf_hub_download(source.location, path, revision=source.revision, **source.hub)
+                for name, path in chosen.items()}
+    except HUB_ERRORS as error:
+        raise hub_unreachable(source.location, error) from error
 
 
 def _local_parameter_count(path: Path) -> dict[str, int]:
@@ -309,30 +348,3 @@ def stored_dtype(source: Source) -> torch.dtype | None:
             raise hub_unreachable(source.location, error) from error
     floating = [(count, name) for name, count in counts.items() if name in SAFETENSORS_DTYPES]
     return SAFETENSORS_DTYPES[max(floating)[1]] if floating else None
-
-
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
-GENERATION_CONFIG = "generation_config.json"
-
-
-def save_companions(source: Source, directory) -> list[str]:
-    """Save a transformers source's tokenizer (with its chat template) and generation config into
-    `directory` beside a converted model, through transformers' own loaders and writers, so the
-    checkpoint is usable on its own. What the source lacks is skipped. Returns what was saved."""
-    if source.kind not in ("local", "hub") or adapter_for_config(source.config).library != "transformers":
-        return []
-    from transformers import AutoTokenizer, GenerationConfig
-
-    saved = []
-    try:
-        if any(name in source.files for name in TOKENIZER_FILES):
-            AutoTokenizer.from_pretrained(source.location, revision=source.revision, **source.hub).save_pretrained(
-                directory)
-            saved.append("tokenizer")
-        if GENERATION_CONFIG in source.files:
-            GenerationConfig.from_pretrained(source.location, revision=source.revision, **source.hub).save_pretrained(
-                directory)
-            saved.append("generation config")
-    except TRANSPORT_ERRORS as error:
-        raise hub_unreachable(source.location, error) from error
-    return saved

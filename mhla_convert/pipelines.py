@@ -60,6 +60,7 @@ def _copy_pipeline(transformer: nn.Module, folder: Path, staging: Path, max_shar
             shutil.copy2(entry, staging / entry.name)
     save_pretrained(transformer, staging / PIPELINE_SUBFOLDER, max_shard_size=max_shard_size)
     index = json.loads((folder / MODEL_INDEX).read_text())
+    index.pop("_name_or_path", None)  # where diffusers loaded the source from: a local path, often
     index[PIPELINE_SUBFOLDER] = [type(transformer).__module__, type(transformer).__name__]
     (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

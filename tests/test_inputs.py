@@ -55,8 +55,8 @@ def test_convert_subfolder_on_the_command_line(tiny, tmp_path):
     assert "subfolder dit" in result.output
     from mhla_convert.evaluate.models import resolve_model  # what `eval --subfolder` loads
 
-    assert resolve_model(str(tmp_path / "repo"), role="model", device="cpu", subfolder="dit").mhla_source == {
-        "base_model": str(tmp_path / "repo"), "revision": None, "subfolder": "dit"}
+    source = resolve_model(str(tmp_path / "repo"), role="model", device="cpu", subfolder="dit").mhla_source
+    assert (source["base_model"], source["subfolder"], source["components"]) == (None, "dit", str(tmp_path / "repo"))
     result = invoke(tmp_path / "repo", "--subfolder", "nope", "--out", tmp_path / "out2")
     assert result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "has no subfolder 'nope'" in result.stderr
@@ -78,7 +78,7 @@ def test_single_file_loads_equal_with_fp32_modules_kept(tiny, run_model, tmp_pat
     save_file(original.state_dict(), str(tmp_path / "wan.safetensors"))
     loaded = load_model(str(tmp_path / "wan.safetensors"), config=str(config_dir))
     _same_outputs(loaded, original, run_model)
-    assert loaded.mhla_source["base_model"] == str(config_dir)  # the VAE and text encoder come from there
+    assert loaded.mhla_source["components"] == str(config_dir)  # the VAE and text encoder come from there
     # a file in bf16 throughout: the modules Wan keeps in float32 come back in float32
     save_file({k: v.to(torch.bfloat16) for k, v in original.state_dict().items()}, str(tmp_path / "bf16.safetensors"))
     half = load_model(str(tmp_path / "bf16.safetensors"), config=str(config_dir))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..families import FamilyAdapter, UnsupportedModelError, adapter_for_model
-from ..locations import SOURCE_ATTR
+from ..locations import SOURCE_ATTR, components_of
 from ..models import load_model
 from ..placement import cast_model, parse_dtype
 from .errors import EvalError
@@ -61,8 +61,8 @@ def describe(spec: nn.Module | str | Path) -> str:
 
 
 def base_model(model: nn.Module) -> str | None:
-    """Where the model came from (its VAE, text encoder and tokenizer come from there too)."""
-    return (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    """Where the model's VAE, text encoder and tokenizer come from: its checkpoint's own copies, or its base."""
+    return components_of(model)
 
 
 def config_value(model: nn.Module, key: str):

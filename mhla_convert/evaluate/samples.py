@@ -16,7 +16,7 @@ from torch import nn
 
 from ..families import families
 from ..io import write_file_atomically
-from ..locations import SOURCE_ATTR
+from ..locations import components_of
 from .image_metrics import clip_score, fid, psnr, resolve_clip_model, resolve_fid_weights, ssim
 
 DEFAULT_PROMPTS = (
@@ -68,7 +68,7 @@ def compare_samples(model: nn.Module, reference: nn.Module, *, family: str, out_
         raise ValueError("FID compares two sets of samples: ask for at least 2 (num_samples, prompts or class_labels)")
     fid_path, clip_path = resolve_fid_weights(fid_weights), resolve_clip_model(clip_model)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    base = base or _recorded_base(reference) or _recorded_base(model)
+    base = base or components_of(reference) or components_of(model)
     for transformer in (reference, model):
         if adapter.takes_first_frame(transformer):
             raise ValueError("sample comparison generates from prompts alone; image-to-video models need a first frame")
@@ -108,30 +108,6 @@ def draw_samples(adapter, transformer: nn.Module, base: str | None, conditions: 
         for c, g in zip(conditions, generators)])
 
 
-def components_source(family: str, transformer: nn.Module, candidates) -> str:
-    """The first of `candidates` (directories or hub ids, in order; None skipped) that holds the VAE, text
-    encoder and scheduler of the family's pipeline around `transformer`: its model_index.json, read with
-    diffusers' `load_config` (built-in tiny models: their in-process parts). Checked before sampling."""
-    import diffusers
-
-    from ..train.components import is_tiny
-
-    cls = getattr(diffusers, _diffusion_adapter(family).pipeline_name(transformer))
-    tried = list(dict.fromkeys(c for c in candidates if c))
-    for source in tried:
-        if is_tiny(source):
-            return source
-        try:
-            cls.load_config(source)
-            return source
-        except (OSError, ValueError):
-            continue
-    where = (f"{tried[0]} holds no" if len(tried) == 1 else f"none of {', '.join(tried)} holds a" if tried
-             else "no base model is recorded to hold its")
-    raise ValueError(f"sample comparison needs the rest of a {cls.__name__} (VAE, scheduler, any text encoder), but "
-                     f"{where} model_index.json: give --components DIR_OR_ID (the base pipeline), or --no-samples")
-
-
 def sample_conditions(adapter, model: nn.Module, num_samples: int, prompts=None, class_labels=None) -> list:
     """The class label or prompt of each sample: the given ones, or `num_samples` built-in ones."""
     return _conditions(adapter.name, adapter.num_classes(model), num_samples, prompts, class_labels)
@@ -168,10 +144,6 @@ def _cycle(values, n: int) -> list:
     if n < 1:
         raise ValueError(f"num_samples must be at least 1; got {n}")
     return [values[i % len(values)] for i in range(n)]
-
-
-def _recorded_base(model: nn.Module) -> str | None:
-    return (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
 
 
 def _as_tensor(sample) -> torch.Tensor:

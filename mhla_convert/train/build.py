@@ -133,11 +133,11 @@ def _calibration(recipe: Recipe, adapter, model: nn.Module) -> list[dict]:
     moves to this process's device first (where it trains): scoring runs one forward per layer and batch."""
     from accelerate import PartialState
 
-    from ..locations import SOURCE_ATTR
+    from ..locations import components_of
     from .calibration import calibration_batches
 
     model.to(PartialState().device)
-    base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+    base = components_of(model)
     with PartialState().main_process_first():  # one process encodes, the others read its cache
         return calibration_batches(adapter, model, recipe.data, num_batches=recipe.conversion.calibration_batches,
                                    seed=recipe.seed, objective=recipe.objective,

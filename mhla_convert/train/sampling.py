@@ -1,9 +1,10 @@
 """`mhla-convert sample`: the family's own sampling (`FamilyAdapter.sample`): its diffusers pipeline
 around a converted transformer (PNG, or MP4 for Wan: WanPipeline, or WanImageToVideoPipeline from a
-first frame for I2V models), or `generate` for LMs. The other components come from the base model
-recorded in mhla_config.json, or are the tiny in-process ones for built-in tiny models. A LoRA
-adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first when given. A model whose
-outputs are inf/NaN (a diverged one) is refused before anything is written."""
+first frame for I2V models), or `generate` for LMs. The checkpoint is a directory or a hub id (offline: from
+the local cache). The other components are the checkpoint's own (an LM's tokenizer, a pipeline's parts) where it
+has them, else come from the base model recorded in mhla_config.json, or are the tiny in-process ones for
+built-in tiny models. A LoRA adapter (PEFT's layout, as a `merge: false` run saves it) is merged in first when
+given. A model whose outputs are inf/NaN (a diverged one) is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 
 from ..families import adapter_for_family
 from ..finite import watch_outputs
-from ..io import resolve_saved, write_file_atomically
+from ..io import local_checkpoint, resolve_saved, write_file_atomically
+from ..locations import components_of
 from ..ops.blocks import whole_number
 from ..placement import check_device
 from .errors import TrainError
@@ -24,26 +26,30 @@ DEFAULT_PROMPT = "a photo of a cat"
 SUFFIXES = {"image": (".png", ".jpg", ".jpeg", ".webp"), "video": (".mp4",), "text": (".txt",)}
 
 
-def _in_subfolder(checkpoint: Path, subfolder: str | None) -> Path:
-    if subfolder is None:
-        return checkpoint
-    if not (checkpoint / subfolder).is_dir():
-        raise TrainError(f"{checkpoint} has no subfolder {subfolder!r}: check --subfolder")
-    return checkpoint / subfolder
+def _checkpoint_files(checkpoint, subfolder: str | None) -> Path:
+    """The folder holding the checkpoint's files: a local one (in `subfolder`, or a pipeline's transformer/), or a
+    hub id's, from the Hub or, offline, the local cache."""
+    local = resolve_saved(checkpoint)
+    if subfolder is not None and local.is_dir() and not (local / subfolder).is_dir():
+        raise TrainError(f"{local} has no subfolder {subfolder!r}: check --subfolder")
+    try:
+        return local_checkpoint(checkpoint, subfolder=subfolder)
+    except (OSError, ValueError) as exc:
+        raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
 
 
-def _load(checkpoint: Path, device):
+def _load(checkpoint, subfolder: str | None, device):
     from .. import from_pretrained
 
-    try:
-        model = from_pretrained(checkpoint, device=device)
+    try:  # by what was given: a hub pipeline's other parts then come from its repo
+        model = from_pretrained(checkpoint, subfolder=subfolder, device=device)
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
     return model.eval()
 
 
 def _skeleton(checkpoint: Path):
-    """The checkpoint's mhla_config.json, its family adapter and its base model on the meta device
+    """The checkpoint's family adapter and its base model on the meta device
     (from config.json less the conversion record, which the base class does not take): enough to check the
     sampling options before any weights load."""
     from ..io import read_mhla_config
@@ -53,7 +59,7 @@ def _skeleton(checkpoint: Path):
     try:
         meta = read_mhla_config(checkpoint)
         adapter = adapter_for_family(meta["family"])
-        return meta, adapter, meta_model(adapter, adapter.base_config(read_json(checkpoint / "config.json")))
+        return adapter, meta_model(adapter, adapter.base_config(read_json(checkpoint / "config.json")))
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot load checkpoint {checkpoint}: {str(exc).splitlines()[0]}") from None
 
@@ -103,20 +109,20 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
     """`prompt` None: a default prompt (text-conditional families); class-conditional ones take
     `class_label` (default 0) instead. `lora_adapter`: a PEFT adapter folder merged in first (one trained on
     another model of the same shapes only with `force`)."""
-    checkpoint, out = _in_subfolder(resolve_saved(checkpoint), subfolder), Path(out)
-    meta, adapter, skeleton = _skeleton(checkpoint)
+    out = Path(out)
+    adapter, skeleton = _skeleton(_checkpoint_files(checkpoint, subfolder))
     check_sample_options(adapter, skeleton, out, prompt=prompt, class_label=class_label, steps=steps,
                          guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames,
                          max_new_tokens=max_new_tokens, device=device)
     first_frame = _first_frame(image, i2v=adapter.takes_first_frame(skeleton))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = _load(checkpoint, device)
+    model = _load(checkpoint, subfolder, device)
     if lora_adapter is not None:
         model = load_adapter(model, resolve_saved(lora_adapter), force=force)
     out.parent.mkdir(parents=True, exist_ok=True)
     with watch_outputs(model) as watch:
         try:
-            result = adapter.sample(model, meta.get("base_model"), DEFAULT_PROMPT if prompt is None else prompt,
+            result = adapter.sample(model, components_of(model), DEFAULT_PROMPT if prompt is None else prompt,
                                     device=device, seed=seed, steps=steps, guidance_scale=guidance_scale,
                                     class_label=class_label or 0, height=height, width=width, num_frames=num_frames,
                                     max_new_tokens=max_new_tokens, image=first_frame)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..convert import PLAN_ATTR
 from ..finite import watch_outputs
-from ..locations import SOURCE_ATTR
+from ..locations import components_of
 from ..mixing import clamp_mixing_
 from . import checkpoints
 from .build import build_model
@@ -197,7 +197,7 @@ class Trainer:
         if self.built.original is not None:
             self.step_objective = Distillation(self.objective, self.built.original, recipe.objective.distill,
                                                acc.autocast)
-        base = (getattr(model, SOURCE_ATTR, None) or {}).get("base_model")
+        base = components_of(model)
         with acc.main_process_first():  # one process encodes, the others read its cache
             self.dataset = build_dataset(recipe.data, self.built.adapter, model, seed=recipe.seed,
                                          components=recipe.data.components or base)
