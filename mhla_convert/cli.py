@@ -43,9 +43,9 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
+        from . import __version__
 
-        typer.echo(f"mhla-convert {version('mhla-convert')}")
+        typer.echo(f"mhla-convert {__version__}")
         raise typer.Exit()
 
 
