@@ -231,7 +231,8 @@ FOLDERS = [
     ([GOOD_LINE, '{"file_name": "img1.png", "label": 3'], "metadata.jsonl:2: not valid JSON"),
     ([GOOD_LINE, '["img1.png", 3]'], "metadata.jsonl:2: every line needs a file_name"),
     ([GOOD_LINE, '{"file_name": "img9.png", "label": 3}'], "metadata.jsonl:2: every line needs a file_name"),
-    ([GOOD_LINE, '{"file_name": "img1.png", "label": 10}'], 'metadata.jsonl:2: "label" must be a class label 0 … 9'),
+    ([GOOD_LINE, '{"file_name": "img1.png", "label": 1000}'],
+     'metadata.jsonl:2: "label" must be a class label 0 … 999'),
     (['{"file_name": "img1.png", "label": -1}'], 'metadata.jsonl:1: "label" must be a class label'),
     (['{"file_name": "img1.png", "label": 2.5}'], 'metadata.jsonl:1: "label" must be a class label'),
     ([GOOD_LINE, '{"file_name": "img1.png"}'], 'metadata.jsonl:2: "label" must be a class label'),
@@ -269,9 +270,9 @@ def checkpoints(tmp_path_factory):
 
 
 SAMPLE = [
-    ("tiny-dit", ["--class-label", "10"], "png", ["--class-label must be a class of this checkpoint, 0 … 9"]),
+    ("tiny-dit", ["--class-label", "1000"], "png", ["--class-label must be a class of this checkpoint, 0 … 999"]),
     ("tiny-dit", ["--class-label", "-1"], "png", ["--class-label must be a class", "got -1"]),
-    ("tiny-dit", ["--prompt", "class 207"], "png", ["class-conditional", "--class-label N (0 … 9), not --prompt"]),
+    ("tiny-dit", ["--prompt", "class 207"], "png", ["class-conditional", "--class-label N (0 … 999), not --prompt"]),
     ("tiny-llama", ["--class-label", "3"], "txt", ["--class-label is for class-conditional checkpoints"]),
     ("tiny-dit", ["--steps", "0"], "png", ["--steps must be a whole number ≥ 1; got 0"]),
     ("tiny-dit", ["--steps", "-5"], "png", ["--steps must be a whole number ≥ 1"]),

@@ -151,6 +151,19 @@ def test_sample_passes_the_base_class_no_conversion_record(tmp_path):
     assert not [r.getMessage() for r in records.buffer if "not expected and will be ignored" in r.getMessage()]
 
 
+def test_the_tiny_dit_pipeline_runs_in_dit_pipeline_as_saved(tmp_path):
+    """DiTPipeline reads the transformer's out_channels and guides with the null class 1000."""
+    from diffusers import DiTPipeline
+
+    result = invoke("tiny-dit", "--pipeline", "--out", tmp_path / "pipe")
+    assert result.exit_code == 0, result.output
+    pipe = DiTPipeline.from_pretrained(tmp_path / "pipe")
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(class_labels=[0, 999], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                  output_type="pt").images
+    assert images.shape == (2, 3, 32, 32) and images.isfinite().all()
+
+
 def test_demo_runs():
     result = invoke("demo")
     assert result.exit_code == 0, result.output

@@ -133,7 +133,7 @@ def test_two_calls_give_identical_samples_and_metrics(tmp_path):
 @pytest.mark.parametrize("family, kwargs, message", [
     ("llama", {}, "diffusion families"),
     ("dit", {"prompts": ["a cat"]}, "pass class_labels"),
-    ("dit", {"class_labels": [10]}, r"classes in \[0, 10\)"),
+    ("dit", {"class_labels": [1000]}, r"classes in \[0, 1000\)"),
     ("sana", {"class_labels": [1]}, "pass prompts"),
     ("sana", {"prompts": []}, "prompts is empty"),
     ("sana", {"fid_weights": "/nonexistent/inception.pth"}, "fid_weights|FID needs"),

@@ -11,6 +11,8 @@ import torch
 from .base import register
 from .diffusers_base import DiffusersAdapter, given
 
+NULL_CLASS = 1000  # DiTPipeline's class for unconditional guidance (ImageNet's 1000 classes + 1)
+
 
 @register
 class DiTAdapter(DiffusersAdapter):
@@ -25,9 +27,11 @@ class DiTAdapter(DiffusersAdapter):
         return {**inputs, "class_labels": labels}
 
     def tiny_config(self) -> dict[str, Any]:
+        """ImageNet's 1000 classes, as DiTPipeline's guidance takes class 1000 for the null class, and a
+        concrete out_channels, which DiTPipeline reads: its saved pipeline runs in DiTPipeline as it is."""
         return dict(
-            num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=6,
-            sample_size=16, patch_size=2, num_embeds_ada_norm=10,
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=6,
+            sample_size=16, patch_size=2, num_embeds_ada_norm=NULL_CLASS,
         )
 
     def denoise(self, model, noisy, timestep, batch):
@@ -55,10 +59,8 @@ class DiTAdapter(DiffusersAdapter):
 
     def pipeline_inputs(self, pipe, base, *, class_label=0, guidance_scale=None, **inputs) -> dict[str, Any]:
         """A class label (no prompt, and DiTPipeline takes no size)."""
-        from ..train.components import is_tiny
-
-        if guidance_scale is None and is_tiny(base):
-            guidance_scale = 1.0  # DiTPipeline's null class is hard-coded to 1000; tiny DiTs have fewer classes
+        if guidance_scale is None and self.num_classes(pipe.transformer) < NULL_CLASS:
+            guidance_scale = 1.0  # no guidance: the model has no class NULL_CLASS for it
         transformer = pipe.transformer
         if transformer.config.out_channels is None:  # DiTPipeline reads it to split off a learned sigma
             transformer.register_to_config(out_channels=transformer.out_channels)
