@@ -324,6 +324,14 @@ def eval_command(
     tasks: Optional[str] = typer.Option(None, help="LMs: lm-eval-harness tasks, e.g. hellaswag,arc_easy."),
     samples: Optional[bool] = typer.Option(None, "--samples/--no-samples",
                                            help="Diffusion: compare samples with the reference (default: on)."),
+    metrics: str = typer.Option("loss", help="loss (always), and for diffusion with a reference fid and clip: "
+                                "scores of the compared samples, e.g. loss,fid,clip."),
+    fid_weights: Optional[Path] = typer.Option(
+        None, help="fid: the local FID Inception weights file (pt_inception-2015-12-05-6726825d.pth)."),
+    clip_model: Optional[str] = typer.Option(
+        None, help="clip: a local CLIP model directory (or a hub id already in the local cache)."),
+    components: Optional[str] = typer.Option(
+        None, help="Where the tokenizer, VAE and text encoder come from (default: the base model MODEL records)."),
 ) -> None:
     """Score MODEL (and --reference) on held-out data with the family's training loss and more; print the gap."""
     verbosity.configure_libraries()
@@ -334,12 +342,19 @@ def eval_command(
         result = evaluate(model, data, reference, batch_size=batch_size, num_batches=num_batches, seed=seed,
                           out_dir=out, device=device, dtype=dtype, timesteps=timesteps, samples=samples,
                           passkey_lengths=_int_list(passkey_lengths, "--passkey-lengths", "token counts", "256,1024"),
-                          tasks=[t for t in (tasks or "").replace(" ", "").split(",") if t], subfolder=subfolder,
-                          reference_subfolder=reference_subfolder)
+                          tasks=_names(tasks), subfolder=subfolder, reference_subfolder=reference_subfolder,
+                          metrics=_names(metrics), fid_weights=fid_weights, clip_model=clip_model,
+                          data_options={"components": components} if components else None,
+                          progress=verbosity.level() != verbosity.QUIET)
     except USER_ERRORS as error:
         _fail(error)
     typer.echo(table(result))
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'summary.md'}")
+
+
+def _names(text: str | None) -> list[str]:
+    """A comma-separated list of names ('' or None: none)."""
+    return [t for t in (text or "").replace(" ", "").split(",") if t]
 
 
 def _register_training_commands() -> None:

@@ -4,6 +4,8 @@ files, gaps, the LM metrics and the passkey probe, and one clear error for each 
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
+import io
 import json
 import math
 import sys
@@ -18,7 +20,9 @@ from typer.testing import CliRunner
 
 from mhla_convert import convert, evaluate, save_pretrained, tiny_model
 from mhla_convert.cli import app
-from mhla_convert.evaluate import EvalError
+from mhla_convert.evaluate import EvalError, image_metrics
+from mhla_convert.evaluate import api as eval_api
+from mhla_convert.evaluate import samples as eval_samples
 from mhla_convert.evaluate.lm import MARKER_TOKENS, PASSKEY_TOKENS, passkey_accuracy, passkey_prompts
 
 LM = dict(batch_size=2, num_batches=2, data_options={"context_length": 32}, passkey_lengths=())
@@ -232,21 +236,104 @@ def test_text_data_for_an_lm(llama_pair, tmp_path):
 def test_samples_are_compared_for_diffusion_with_a_reference(dit_pair, tmp_path, monkeypatch):
     calls = []
 
-    def compare_samples(model, reference, *, family, out_dir, num_samples, seed, steps, device):
-        calls.append(dict(family=family, out_dir=out_dir, num_samples=num_samples, seed=seed, steps=steps))
+    def compare_samples(model, reference, *, family, out_dir, num_samples, seed, steps, device, base):
+        calls.append(dict(family=family, out_dir=out_dir, num_samples=num_samples, seed=seed, steps=steps, base=base))
         return {"psnr": 30.0, "ssim": 0.9}
 
-    fake = types.ModuleType("mhla_convert.evaluate.samples")
-    fake.compare_samples = compare_samples
-    monkeypatch.setitem(sys.modules, "mhla_convert.evaluate.samples", fake)
+    monkeypatch.setattr(eval_samples, "compare_samples", compare_samples)
     options = {**DIFFUSION, "samples": None}
     result = evaluate(dit_pair[0], "synthetic", dit_pair[1], out_dir=tmp_path / "s", num_samples=2, sample_steps=3,
                       **options)
-    assert calls == [dict(family="dit", out_dir=tmp_path / "s", num_samples=2, seed=0, steps=3)]
+    assert calls == [dict(family="dit", out_dir=tmp_path / "s", num_samples=2, seed=0, steps=3, base="tiny-dit")]
     assert result["comparison"] == {"sample_psnr": 30.0, "sample_ssim": 0.9}
     evaluate(dit_pair[0], "synthetic", dit_pair[1], **DIFFUSION)  # samples=False
     evaluate(dit_pair[0], "synthetic", **{**DIFFUSION, "samples": None})  # no reference, nothing to compare
     assert len(calls) == 1
+
+
+def test_clip_score_through_eval_from_a_local_clip_model(tmp_path):
+    from test_eval_samples import _tiny_clip
+
+    clip, out = _tiny_clip(tmp_path / "clip"), tmp_path / "eval"
+    args = ["eval", "tiny-sana", "--reference", "tiny-sana", "--data", "synthetic", "--out", out, "--device", "cpu",
+            "--batch-size", 1, "--num-batches", 1, "--timesteps", 1, "--metrics", "loss,clip", "--clip-model", clip]
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    comparison = json.loads((out / "eval.json").read_text())["comparison"]
+    assert set(comparison) == {"sample_psnr", "sample_ssim", "sample_clip_score", "sample_clip_score_reference"}
+    assert comparison["sample_clip_score"] == comparison["sample_clip_score_reference"]
+    assert "sample_clip_score" in result.output
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(metrics=["fid"]), "the fid metric needs local weights, nothing is downloaded: give --fid-weights"),
+    (dict(metrics=["clip"]), "the clip metric needs local weights, nothing is downloaded: give --clip-model"),
+    (dict(metrics=["loss", "psnr"]), "unknown metric"),
+    (dict(metrics=["clip"], clip_model="/nonexistent/clip"), "neither a local directory nor a model in the local"),
+    (dict(metrics=["fid"], fid_weights="inception.pth", samples=False), "drop --no-samples or the metric"),
+])
+def test_learned_metrics_are_refused_before_any_model_loads(options, message, monkeypatch):
+    monkeypatch.setattr(eval_api, "resolve_model", lambda *a, **k: pytest.fail("a model loaded"))
+    with pytest.raises(EvalError, match=message) as error:
+        evaluate("tiny-sana", "synthetic", "tiny-sana", **{**DIFFUSION, "samples": None, **options})
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("model, options, message", [
+    ("tiny-dit", dict(metrics=["clip"], clip_model="CLIP"), "dit samples are class-conditional: drop clip"),
+    ("tiny-sana", dict(metrics=["fid"], fid_weights="WEIGHTS", num_samples=1), "num_samples must be at least 2"),
+    ("tiny-llama", dict(metrics=["clip"], clip_model="CLIP"), "the fid and clip metrics score compared samples"),
+])
+def test_learned_metrics_that_cannot_run_are_refused_before_scoring(model, options, message, tmp_path, monkeypatch):
+    from test_eval_samples import _tiny_clip
+
+    monkeypatch.setattr(image_metrics, "resolve_fid_weights", lambda path: path)
+    monkeypatch.setattr(eval_api, "heldout_loss", lambda *a, **k: pytest.fail("scoring began"))
+    options = {k: _tiny_clip(tmp_path / "clip") if v == "CLIP" else v for k, v in options.items()}
+    with pytest.raises(EvalError, match=message):
+        evaluate(model, "synthetic", model, **{**DIFFUSION, "samples": None, **options})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchmetrics") is not None, reason="needs torchmetrics absent")
+def test_fid_without_its_packages_is_one_line(tmp_path):
+    weights = tmp_path / "pt_inception-2015-12-05-6726825d.pth"
+    weights.write_bytes(b"\0")
+    with pytest.raises(EvalError, match=r"FID needs torchmetrics and torch_fidelity: pip install 'torchmetrics\[image"):
+        evaluate("tiny-sana", "synthetic", "tiny-sana", metrics=["fid"], fid_weights=weights,
+                 **{**DIFFUSION, "samples": None})
+
+
+# --- one held-out loss, a progress bar ------------------------------------------------------------
+
+
+def test_validation_and_eval_score_the_same_heldout_loss(llama_pair):
+    """Fine-tuning's validation and eval share one held-out loss: the same batches give the same number."""
+    from mhla_convert.evaluate.objective import training_objective
+    from mhla_convert.families import adapter_for_model
+    from mhla_convert.train.data import TensorData
+    from mhla_convert.train.recipe import DataSpec
+    from mhla_convert.train.validation import HeldOut
+
+    model = llama_pair[0]
+    adapter = adapter_for_model(model)
+    data = TensorData(adapter.synthetic_data(model, DataSpec(kind="synthetic", context_length=32), 0))
+    held = HeldOut(data, training_objective(adapter), batch_size=2, num_batches=2, seed=0)
+    validation = held.loss(model, device="cpu", dtype=torch.float32)
+    assert validation == evaluate(model, "synthetic", **LM)["model"]["loss"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_scoring_shows_progress_on_a_terminal_only(dit_pair, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    evaluate(dit_pair[1], "synthetic", **DIFFUSION)
+    assert "model loss" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    evaluate(dit_pair[1], "synthetic", progress=False, **DIFFUSION)
+    assert sys.stderr.getvalue() == ""
 
 
 # --- lm-eval-harness ---------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ from ..finite import watch_outputs
 from ..placement import check_device
 from ..train.recipe import DataSpec, ObjectiveSpec
 from . import lm, report
-from .data import batches, data_spec, held_out
+from .data import data_spec, held_out
 from .errors import EvalError
-from .loss import heldout_loss
+from .loss import batches, heldout_loss
 from .models import adapter_of, base_model, check_comparable, describe, is_language_model, resolve_model
 from .objective import training_objective
 
@@ -44,24 +44,52 @@ def _versions() -> dict[str, str]:
             "diffusers": diffusers.__version__, "python": platform.python_version()}
 
 
-def _check_counts(**counts: int) -> None:
+METRICS = ("loss", "fid", "clip")  # what `metrics` may ask for; the held-out loss is always scored
+
+
+def _check_counts(seed: int, **counts: int) -> None:
     for name, value in counts.items():
         if value < 1:
             raise EvalError(f"{name} must be at least 1; got {value}")
+    if seed < 0:
+        raise EvalError(f"seed must be a whole number ≥ 0; got {seed}")
 
 
-def _compare_samples(model, reference, *, family, out_dir, num_samples, seed, steps):
+def _learned_metrics(metrics: Sequence[str], fid_weights, clip_model, samples: bool | None) -> dict:
+    """compare_samples' FID / CLIP options for `metrics`, their local weights checked before any model loads."""
+    from .image_metrics import resolve_clip_model, resolve_fid_weights
+
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise EvalError(f"unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRICS)}")
+    wanted = {"fid": ("fid_weights", fid_weights, "--fid-weights FILE (the FID Inception weights, "
+                      "pt_inception-2015-12-05-6726825d.pth)"),
+              "clip": ("clip_model", clip_model, "--clip-model DIR (a CLIP model saved with save_pretrained)")}
+    options = {}
+    for metric, (option, value, fix) in wanted.items():
+        if metric not in metrics:
+            continue
+        if value is None:
+            raise EvalError(f"the {metric} metric needs local weights, nothing is downloaded: give {fix}")
+        if samples is False:
+            raise EvalError(f"the {metric} metric scores the compared samples: drop --no-samples or the metric")
+        try:
+            options[option] = (resolve_fid_weights if metric == "fid" else resolve_clip_model)(value)
+        except ValueError as error:
+            raise EvalError(str(error)) from None
+    return options
+
+
+def _compare_samples(model, reference, *, family, out_dir, **options):
     """Sample similarity of model and reference (evaluate/samples.py)."""
     from .samples import compare_samples
 
     device = next(model.parameters()).device
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        return compare_samples(model, reference, family=family, out_dir=out_dir, num_samples=num_samples, seed=seed,
-                               steps=steps, device=device)
+        return compare_samples(model, reference, family=family, out_dir=out_dir, device=device, **options)
     with tempfile.TemporaryDirectory() as scratch:  # no output directory: the sample files are not kept
-        return compare_samples(model, reference, family=family, out_dir=Path(scratch), num_samples=num_samples,
-                               seed=seed, steps=steps, device=device)
+        return compare_samples(model, reference, family=family, out_dir=Path(scratch), device=device, **options)
 
 
 def _refuse_non_finite(finite: bool, role: str, spec: ModelSpec, where: str) -> None:
@@ -73,7 +101,7 @@ def _refuse_non_finite(finite: bool, role: str, spec: ModelSpec, where: str) -> 
 def _finite_score(score, model: nn.Module, role: str, spec: ModelSpec) -> dict[str, float]:
     """`score(model)`, refused when the model's outputs (or its loss) are not finite."""
     with watch_outputs(model) as watch:
-        metrics = score(model)
+        metrics = score(model, role)
     _refuse_non_finite(watch.finite and math.isfinite(metrics["loss"]), role, spec, "on the held-out data")
     return metrics
 
@@ -87,6 +115,25 @@ def _load_models(model: ModelSpec, reference: ModelSpec | None, *, dtype, device
     ref = resolve_model(reference, role="reference", dtype=dtype, device=device, subfolder=subfolders[1])
     check_comparable(loaded, ref, (adapter.name, adapter_of(ref, "reference").name))
     return loaded, ref, adapter
+
+
+def _sample_options(adapter, model: nn.Module, reference: nn.Module, spec: DataSpec, learned: dict, **options):
+    """compare_samples' options, refused here (before any scoring) where sampling could not run: the
+    pipeline's other components (from data option components, else the reference's or the model's
+    base model), FID's two samples, CLIP's prompts."""
+    from .samples import components_source
+
+    try:
+        base = components_source(adapter.name, reference, [spec.components, base_model(reference), base_model(model)])
+    except ValueError as error:
+        raise EvalError(str(error)) from None
+    if "fid_weights" in learned and options["num_samples"] < 2:
+        raise EvalError(f"FID compares two sets of samples: num_samples must be at least 2; got "
+                        f"{options['num_samples']}")
+    if "clip_model" in learned and adapter.num_classes(model) is not None:
+        raise EvalError(f"the clip metric scores samples against their prompts; {adapter.name} samples are "
+                        "class-conditional: drop clip")
+    return {**options, **learned, "base": base}
 
 
 @dataclass
@@ -104,18 +151,21 @@ class _Scorer:
     task_limit: int | None
     tokenizer_source: str | None
     batch_size: int
+    progress: bool
 
     @torch.no_grad()
-    def __call__(self, model: nn.Module) -> dict[str, float]:
+    def __call__(self, model: nn.Module, role: str) -> dict[str, float]:
         training = model.training
         model.eval()
         try:
             language_model = is_language_model(self.adapter)
-            metrics = heldout_loss(model, self.objective, self.batches, language_model=language_model,
-                                   seed=self.seed, num_timesteps=self.timesteps)
+            metrics = heldout_loss(model, self.objective, self.batches, seed=self.seed,
+                                   timesteps=None if language_model else self.timesteps,
+                                   progress=f"{role} loss" if self.progress else None)
             if language_model:
                 metrics.update(lm.perplexity(metrics["loss"]))
-                metrics.update(lm.passkey_accuracy(model, self.passkey, trials=self.trials, seed=self.seed))
+                metrics.update(lm.passkey_accuracy(model, self.passkey, trials=self.trials, seed=self.seed,
+                                                   progress=f"{role} passkey" if self.progress else None))
                 if self.tasks:
                     from ..train.components import tokenizer
 
@@ -149,6 +199,10 @@ def evaluate(
     objective: ObjectiveSpec | None = None,
     subfolder: str | None = None,
     reference_subfolder: str | None = None,
+    metrics: Sequence[str] = ("loss",),
+    fid_weights: str | Path | None = None,
+    clip_model: str | Path | None = None,
+    progress: bool = True,
 ) -> dict:
     """Score `model` (and `reference`, on the same batches, timesteps and noise) on held-out `data`.
 
@@ -164,13 +218,20 @@ def evaluate(
         skipped; () turns it off). tasks, task_limit: lm-eval-harness tasks (needs `lm_eval`).
     samples: compare sampled images/videos of model and reference (default: for diffusion models
         when a reference is given); num_samples, sample_steps size that comparison.
+    metrics: besides the held-out loss (always scored), "fid" and "clip" score the compared samples:
+        FID of the model's samples to the reference's, from the local Inception weights file
+        `fid_weights` (needs torchmetrics[image]); CLIP score of both to their prompts, with the
+        local CLIP model `clip_model` (a directory, or a hub id already in the local cache). Nothing
+        is downloaded. seed: a whole number ≥ 0.
     out_dir: write eval.json and summary.md there (refused if it holds anything else).
+    progress: progress bars of the scoring on stderr, when it is a terminal.
 
     Returns {"model": {metric: value}, "reference": {...}, "gap_percent": {...}, "comparison": {...},
     "meta": {...}}; "loss" is always among the metrics.
     """
-    _check_counts(batch_size=batch_size, num_batches=num_batches, timesteps=timesteps, passkey_trials=passkey_trials,
-                  num_samples=num_samples, sample_steps=sample_steps)
+    _check_counts(seed, batch_size=batch_size, num_batches=num_batches, timesteps=timesteps,
+                  passkey_trials=passkey_trials, num_samples=num_samples, sample_steps=sample_steps)
+    learned = _learned_metrics(list(metrics), fid_weights, clip_model, samples)
     try:
         check_device(device)
     except ValueError as error:
@@ -188,8 +249,13 @@ def evaluate(
     language_model = is_language_model(adapter)
     if not language_model and tasks:
         raise EvalError(f"lm-eval tasks are for language models; this is a {adapter.name} model: leave out tasks")
-    if samples and (language_model or ref is None):
-        raise EvalError("sample comparison needs a diffusion model and a reference; leave out samples")
+    if (samples or learned) and (language_model or ref is None):
+        asked = "the fid and clip metrics score compared samples, which need" if learned else "sample comparison needs"
+        raise EvalError(f"{asked} a diffusion model and a reference; leave out samples")
+    compare = ref is not None and (samples or (samples is None and not language_model))
+    if compare:  # everything sampling needs is checked before anything is scored
+        learned = _sample_options(adapter, loaded, ref, spec, learned, num_samples=num_samples, seed=seed,
+                                  steps=sample_steps)
 
     components = base_model(loaded) or (base_model(ref) if ref is not None else None)
     columns = held_out(spec, adapter, loaded, num_examples=num_examples, seed=seed, components=components)
@@ -197,17 +263,16 @@ def evaluate(
     lengths = lm.passkey_lengths(loaded, passkey_lengths) if language_model else []
     score = _Scorer(adapter, training_objective(adapter, objective), batch_list, seed=seed, timesteps=timesteps,
                     passkey=lengths, trials=passkey_trials, tasks=list(tasks or []), task_limit=task_limit,
-                    tokenizer_source=spec.components or components, batch_size=batch_size)
+                    tokenizer_source=spec.components or components, batch_size=batch_size, progress=progress)
 
     result: dict = {"model": _finite_score(score, loaded, "model", model)}
     if ref is not None:
         result["reference"] = _finite_score(score, ref, "reference", reference)
         result["gap_percent"] = report.gaps(result["model"], result["reference"])
-        if samples or (samples is None and not language_model):
+        if compare:
             with ExitStack() as stack:
                 watches = [stack.enter_context(watch_outputs(m)) for m in (loaded, ref)]
-                comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out,
-                                              num_samples=num_samples, seed=seed, steps=sample_steps)
+                comparison = _compare_samples(loaded, ref, family=adapter.name, out_dir=out, **learned)
             for watch, role, given in zip(watches, ("model", "reference"), (model, reference)):
                 _refuse_non_finite(watch.finite, role, given, "in its samples")
             if comparison:

@@ -95,10 +95,27 @@ def check_fits(columns: dict[str, torch.Tensor], adapter: FamilyAdapter, model: 
                         f"which takes {channels} channels ({ndim - 1}-d per example): encode them with its own VAE")
 
 
+def check_tokenizer(source: str | None) -> None:
+    """A text corpus is tokenized with the tokenizer of `source` (data option components, else the base
+    model): refuse one that has none before anything is scored."""
+    from ..train.components import tokenizer
+
+    fix = ("give --components (data_options={'components': ...} in Python): the directory or hub id of the "
+           "model whose tokenizer it was trained with, or pretokenized input_ids (.safetensors)")
+    if source is None:
+        raise EvalError(f"this model has no tokenizer; it records no base model to take one from: {fix}")
+    try:
+        tokenizer(source)
+    except (TrainError, OSError, ValueError):  # transformers: OSError, or ValueError for a folder without one
+        raise EvalError(f"this model has no tokenizer; {source} holds none: {fix}") from None
+
+
 def held_out(spec: DataSpec, adapter: FamilyAdapter, model: nn.Module, *, num_examples: int, seed: int,
              components: str | None) -> dict[str, torch.Tensor]:
     """The first `num_examples` examples, in order, column-wise."""
     _check_kind(spec, adapter)
+    if spec.kind == "text":
+        check_tokenizer(spec.components or components)
     try:
         dataset = build_dataset(spec, adapter, model, seed=seed, components=spec.components or components)
     except TrainError as error:
@@ -106,8 +123,3 @@ def held_out(spec: DataSpec, adapter: FamilyAdapter, model: nn.Module, *, num_ex
     columns = {k: v[:num_examples] for k, v in dataset.columns.items()}
     check_fits(columns, adapter, model, spec.path or "the synthetic data")
     return columns
-
-
-def batches(columns: dict[str, torch.Tensor], batch_size: int) -> list[dict[str, torch.Tensor]]:
-    n = len(next(iter(columns.values())))
-    return [{k: v[start : start + batch_size] for k, v in columns.items()} for start in range(0, n, batch_size)]

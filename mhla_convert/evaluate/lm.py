@@ -13,9 +13,11 @@ filler and passkey from disjoint sets, all from a generator seeded by (seed, con
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .errors import EvalError
 from .models import config_value
@@ -68,12 +70,15 @@ def passkey_prompts(model: nn.Module, length: int, trials: int, seed: int) -> tu
     return torch.stack(prompts), torch.stack(keys)
 
 
-def passkey_accuracy(model: nn.Module, lengths, *, trials: int, seed: int) -> dict[str, float]:
-    """{"passkey_<length>": exact-match accuracy of greedy continuations} per context length."""
+def passkey_accuracy(model: nn.Module, lengths, *, trials: int, seed: int,
+                     progress: str | None = None) -> dict[str, float]:
+    """{"passkey_<length>": exact-match accuracy of greedy continuations} per context length (`progress`: a
+    tqdm bar with this label, on stderr when it is a terminal)."""
     device = next(model.parameters()).device
     pad = config_value(model, "pad_token_id")
     out = {}
-    for length in passkey_lengths(model, lengths):
+    for length in tqdm(passkey_lengths(model, lengths), desc=progress, disable=True if progress is None else None,
+                       file=sys.stderr, leave=False):
         prompts, keys = passkey_prompts(model, length, trials, seed)
         prompts = prompts.to(device)
         # without a cache every step reads the whole sequence: the score is the model's, whatever its cache does

@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..io import check_writable
 from .errors import EvalError
 
 EVAL_JSON = "eval.json"
@@ -27,9 +28,14 @@ def _stale_temporary(name: str) -> bool:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse a directory holding anything but a previous evaluation's files (nothing is overwritten)."""
+    """Refuse a directory holding anything but a previous evaluation's files (nothing is overwritten), and one
+    that cannot be made or written."""
     if out_dir.exists() and not out_dir.is_dir():
         raise EvalError(f"{out_dir} is a file; give a directory for the evaluation's output (--out)")
+    try:
+        check_writable(out_dir)
+    except ValueError as error:
+        raise EvalError(f"--out: {error}") from None
     if out_dir.is_dir():
         other = sorted(p.name for p in out_dir.iterdir()
                        if p.name not in PREVIOUS_EVAL_FILES and not _stale_temporary(p.name))
@@ -115,6 +121,10 @@ def write(result: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (p for p in out_dir.iterdir() if _stale_temporary(p.name)):
         stale.unlink()
-    _atomic_write(out_dir / EVAL_JSON, json.dumps(result, indent=2) + "\n")
-    _atomic_write(out_dir / SUMMARY_MD, summary_markdown(result))
+    for name, text in ((EVAL_JSON, json.dumps(result, indent=2) + "\n"), (SUMMARY_MD, summary_markdown(result))):
+        try:
+            _atomic_write(out_dir / name, text)
+        except OSError as error:  # a full disk, a quota, a folder gone meanwhile
+            raise EvalError(f"cannot write {out_dir / name}: {error.strerror or error}; free space there or give "
+                            "another --out") from None
     return out_dir / EVAL_JSON

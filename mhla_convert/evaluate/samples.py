@@ -108,6 +108,30 @@ def draw_samples(adapter, transformer: nn.Module, base: str | None, conditions: 
         for c, g in zip(conditions, generators)])
 
 
+def components_source(family: str, transformer: nn.Module, candidates) -> str:
+    """The first of `candidates` (directories or hub ids, in order; None skipped) that holds the VAE, text
+    encoder and scheduler of the family's pipeline around `transformer`: its model_index.json, read with
+    diffusers' `load_config` (built-in tiny models: their in-process parts). Checked before sampling."""
+    import diffusers
+
+    from ..train.components import is_tiny
+
+    cls = getattr(diffusers, _diffusion_adapter(family).pipeline_name(transformer))
+    tried = list(dict.fromkeys(c for c in candidates if c))
+    for source in tried:
+        if is_tiny(source):
+            return source
+        try:
+            cls.load_config(source)
+            return source
+        except (OSError, ValueError):
+            continue
+    where = (f"{tried[0]} holds no" if len(tried) == 1 else f"none of {', '.join(tried)} holds a" if tried
+             else "no base model is recorded to hold its")
+    raise ValueError(f"sample comparison needs the rest of a {cls.__name__} (VAE, scheduler, any text encoder), but "
+                     f"{where} model_index.json: give --components DIR_OR_ID (the base pipeline), or --no-samples")
+
+
 def sample_conditions(adapter, model: nn.Module, num_samples: int, prompts=None, class_labels=None) -> list:
     """The class label or prompt of each sample: the given ones, or `num_samples` built-in ones."""
     return _conditions(adapter.name, adapter.num_classes(model), num_samples, prompts, class_labels)

@@ -1,10 +1,10 @@
 """Held-out loss during fine-tuning, and the best model by that loss.
 
-The held-out set is scored the same way every time: its batches are fixed (the first
-`num_batches · batch_size` examples, in order) and batch i draws its timesteps and noise from a
-generator seeded by (seed, i) alone, so two evaluations of the same weights give the same number
-and the curve moves only when the model does. Batches are spread over the processes and the sums
-gathered, so every process reports the same value.
+The held-out set is scored the same way every time, by the held-out loss `mhla-convert eval` uses
+(evaluate/loss.py): its batches are fixed (the first `num_batches · batch_size` examples, in order)
+and batch i draws its timesteps and noise from a generator seeded by (seed, i) alone, so two
+evaluations of the same weights give the same number and the curve moves only when the model does.
+Batches are spread over the processes and the sums gathered, so every process reports the same value.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..evaluate.loss import batches, heldout_loss
 from ..io import write_file_atomically
 from .data import TensorData, build_dataset
 from .recipe import Recipe
@@ -52,30 +53,13 @@ class HeldOut:
     seed: int = 0
 
     def batches(self) -> list[dict[str, torch.Tensor]]:
-        count = min(self.num_batches, math.ceil(len(self.dataset) / self.batch_size))
-        cols = self.dataset.columns
-        return [{k: v[i * self.batch_size:(i + 1) * self.batch_size] for k, v in cols.items()} for i in range(count)]
+        n = min(len(self.dataset), self.num_batches * self.batch_size)
+        return batches({k: v[:n] for k, v in self.dataset.columns.items()}, self.batch_size)
 
-    @torch.no_grad()
     def loss(self, model, *, device, dtype, rank: int = 0, world: int = 1, gather=None) -> float:
-        """The example-weighted mean loss over the held-out batches (`gather` sums across processes)."""
-        was_training = model.training
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=device)
-        try:
-            for i, batch in enumerate(self.batches()):
-                if i % world != rank:
-                    continue
-                batch = {k: v.to(device, dtype if v.is_floating_point() else None) for k, v in batch.items()}
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-                count = len(next(iter(batch.values())))
-                total += torch.tensor([self.objective.loss(model, batch, generator).double().item() * count, count],
-                                      dtype=torch.float64, device=device)
-        finally:
-            model.train(was_training)
-        if gather is not None:
-            total = gather(total[None]).sum(0)
-        return float(total[0] / total[1])
+        """The weighted mean loss over the held-out batches (`gather` sums across processes)."""
+        return heldout_loss(model, self.objective, self.batches(), seed=self.seed, device=device, dtype=dtype,
+                            rank=rank, world=world, gather=gather)["loss"]
 
 
 class SampleWriter:
