@@ -113,10 +113,12 @@ def far_reads(qf, s, z, mix) -> tuple[torch.Tensor, torch.Tensor]:
     return num, qf @ torch.matmul(mix, z).unsqueeze(-1)
 
 
-def near_read(num, den, q, k, vb, mix, layout: BlockLayout, exact_radius: tuple[int, ...], *, real, eps):
+def near_read(num, den, q, k, vb, mix, layout: BlockLayout, exact_radius: tuple[int, ...], *, real, eps, extra=None):
     """`read_window` over each query block's neighbourhood in `layout`: q (B, N, H, D) and k (B, N, H_kv, D) unblocked,
     vb (B, H_kv, M, T, Dv) by block, `mix` grouped (…, M, M), `real` (B or 1, N, 1, 1) 1 for real keys (None: all
-    are), num and den as `far_reads` gives them → (B, H_kv, g, M, T, Dv)."""
+    are), num and den as `far_reads` gives them → (B, H_kv, g, M, T, Dv). `extra`: (keys (B, H_kv, 1, 1, L, D),
+    values (…, L, Dv), weights (…, M, 1, L), allowed (…, M, 1, L)), L further keys every query block reads exactly in
+    the same window (a joint model's text tokens, `ops.joint`)."""
     batch, _, heads, _ = q.shape
     kv_heads, groups = k.shape[2], heads // k.shape[2]
     m, t = layout.num_blocks, layout.tokens_per_block
@@ -130,4 +132,12 @@ def near_read(num, den, q, k, vb, mix, layout: BlockLayout, exact_radius: tuple[
         real = torch.ones(1, layout.num_tokens, 1, 1, dtype=q.dtype, device=q.device)
     allowed = (near(layout.to_blocks(real)).squeeze(-1).unsqueeze(-2) > 0) & (weights > 0)  # (·, ·, ·, M, 1, K·T)
     qr = layout.to_blocks(q).view(batch, kv_heads, groups, m, t, -1)
-    return read_window(num, den, qr, near(layout.to_blocks(k)), near(vb), weights, allowed, eps=eps)
+    keys, values = near(layout.to_blocks(k)), near(vb)
+    if extra is not None:
+        ek, ev, ew, ea = extra
+        keys = torch.cat([keys, ek.expand(*keys.shape[:-2], *ek.shape[-2:])], -2)
+        values = torch.cat([values, ev.expand(*values.shape[:-2], *ev.shape[-2:])], -2)
+        weights = torch.cat([weights, ew.expand(*weights.shape[:-1], ew.shape[-1])], -1)
+        lead = torch.broadcast_shapes(allowed.shape[:-1], ea.shape[:-1])
+        allowed = torch.cat([allowed.expand(*lead, -1), ea.expand(*lead, -1)], -1)
+    return read_window(num, den, qr, keys, values, weights, allowed, eps=eps)

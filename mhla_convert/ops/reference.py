@@ -55,3 +55,35 @@ def mhla_attention_reference(
     if normalize:
         out = out / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)
     return out.to(q.dtype)
+
+
+def joint_attention_reference(
+    q, k, v, mixing, *, text, grid, blocks, exact_radius=None, feature_map: FeatureMap = "relu", scale=None, eps=1e-6,
+    text_mask=None,
+) -> torch.Tensor:
+    """`ops.joint.joint_attention` from its definition: the explicit (B, H, L + N, L + N) weights — image–image from
+    `mhla_weights_reference` with mixing[:M, :M], the softmax kernel on every text key, φ(q)·φ(k) from text queries to
+    image keys — each times its blocks' mixing weight (the text: index M), padded text keys 0, rows normalised."""
+    phi = resolve_feature_map(feature_map)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    heads, n, m = q.shape[2], q.shape[1], mixing.shape[-1] - 1
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype, (q, k, v) = q.dtype, (t.to(acc) for t in (q, k, v))
+    k, v = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (k, v))
+    per_head = mixing.to(acc).expand(heads, m + 1, m + 1)
+    w = torch.empty(q.shape[0], heads, n, n, dtype=acc, device=q.device)
+    w[..., text:, text:] = mhla_weights_reference(q[:, text:], k[:, text:], per_head[:, :m, :m], grid=grid,
+                                                  blocks=blocks, feature_map=feature_map, scale=scale,
+                                                  exact_radius=exact_radius)
+    ids = torch.cat([torch.full((text,), m, device=q.device),
+                     check_inputs(q[:, text:], k[:, text:], k[:, text:], per_head[:, :m, :m], grid=grid,
+                                  blocks=blocks, causal=False).block_ids(device=q.device)])
+    weights = per_head[:, ids][:, :, ids]  # (H, L + N, L + N)
+    exact = torch.einsum("bthd,bshd->bhts", q, k[:, :text]).mul(q.shape[-1] ** -0.5).exp()
+    w[..., :text] = exact * weights[:, :, :text]
+    w[..., :text, text:] = (torch.einsum("bthd,bshd->bhts", phi(q[:, :text]) * scale, phi(k[:, text:]))
+                            * weights[:, :text, text:])
+    if text_mask is not None:
+        w[..., :text] = w[..., :text] * text_mask[:, None, None, :]
+    out = torch.einsum("bhts,bshe->bthe", w, v)
+    return (out / (w.sum(-1).transpose(1, 2).unsqueeze(-1) + eps)).to(dtype)
