@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -162,6 +163,7 @@ def convert_command(
     verbosity.configure_libraries()
     from .calibrate import fits_far_weight
     from .convert import check_conversion, convert
+    from .experts import EXPERTS, convert_pipeline, load_experts
     from .io import check_save_target, save_pretrained
     from .locations import SOURCE_ATTR
     from .models import load_source, resolve, source_meta_model
@@ -203,19 +205,21 @@ def convert_command(
             resolved = check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
             if calibration is not None and not auto and not fits_far_weight(resolved, attention):
                 raise ValueError(useless_calibration)
-        with _step(f"loading {source.describe()}"):
-            base = load_source(source, torch_dtype=torch_dtype)
+        with _step(f"loading {source.describe()}"):  # a pipeline's experts (Wan2.2-A14B) all, to convert together
+            experts = load_experts(source, torch_dtype) if pipeline and source.experts else None
+            base = experts.models[EXPERTS[0]] if experts else load_source(source, torch_dtype=torch_dtype)
         if calibration is not None:
             with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
                 options["calibration"] = _calibration(base, calibration, calibration_batches)
         with _step("converting"):
-            report = convert(base, ratio=ratio, strategy=strategy, fit_steps=fit_steps,
-                             progress=verbosity.level() != verbosity.QUIET, **options)
+            report = (partial(convert_pipeline, experts) if experts else partial(convert, base))(
+                ratio=ratio, strategy=strategy, fit_steps=fit_steps, progress=verbosity.level() != verbosity.QUIET,
+                **options)
         if verbosity.level() != verbosity.QUIET:
             typer.echo(str(report))
         with _step(f"saving {'the pipeline ' if pipeline else ''}to {target}"):
             if pipeline:
-                saved = save_pipeline(base, source, target)
+                saved = save_pipeline(experts or base, source, target)
             else:  # the tokenizer etc. are part of the same atomic save
                 saved = save_pretrained(base, target)
         companions = [] if pipeline else sorted(getattr(base, SOURCE_ATTR).get("companions") or {})

@@ -20,6 +20,8 @@ from .sensitivity import check_calibration, layer_sensitivity
 __all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
 
 PLAN_ATTR = "mhla_plan"  # set on a converted model: everything save/reload needs to redo it
+UNUSED_CALIBRATION = ("calibration data ranks layers for strategy 'auto' (without a layers list) and fits the weight "
+                      "outside an exact region; this conversion does neither: drop it or use strategy='auto'")
 
 
 @dataclass
@@ -85,7 +87,15 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     outside it (`calibrate.py`). attention "linear" is plain linear attention (M = 1, see `options`); blocks
     overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
     fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
+    A diffusers pipeline converts every transformer it holds (Wan2.2-A14B's two experts) with one plan
+    (experts.py) and returns an `experts.PipelineReport`.
     """
+    if not isinstance(model, nn.Module) and hasattr(model, "components"):  # a diffusers pipeline
+        from .experts import convert_pipeline
+
+        return convert_pipeline(model, ratio=ratio, strategy=strategy, layers=layers, blocks=blocks,
+                                attention=attention, calibration=calibration, fit_steps=fit_steps, progress=progress,
+                                **mhla_options)
     config = check_conversion(model, ratio=ratio, strategy=strategy, layers=layers, blocks=blocks,
                               attention=attention, **mhla_options)
     adapter = adapter_for_model(model)
@@ -95,8 +105,7 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     if auto and calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
     if not (auto or fit_far) and calibration is not None:
-        raise ValueError("calibration data ranks layers for strategy 'auto' (without a layers list) and fits the "
-                         "weight outside an exact region; this conversion does neither: drop it or use strategy='auto'")
+        raise ValueError(UNUSED_CALIBRATION)
     if whole_number(fit_steps) is None or fit_steps < 0:
         raise ValueError(f"fit_steps must be a whole number ≥ 0; got {fit_steps!r}")
     if not auto and fit_steps:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .experts import index_experts, refuse_one_expert
 from .families import adapter_for_config, adapter_for_family, families
 from .locations import (
     HUB_ERRORS,
@@ -86,6 +87,8 @@ class Source:
     files: frozenset[str] = frozenset()  # the files of the model directory or hub repo (not for tiny / converted)
     config_source: str | None = None  # single_file: the directory or hub id its config came from
     hub: dict[str, Any] = field(default_factory=dict, repr=False)  # token, local_files_only, cache_dir (hub_options)
+    # a pipeline's experts when it has several (Wan2.2-A14B: transformer, transformer_2): converted together
+    experts: tuple[str, ...] = ()
 
     def describe(self) -> str:
         where = self.location + (f" (subfolder {self.subfolder})" if self.subfolder else "")
@@ -111,7 +114,9 @@ def _local_source(path: Path, subfolder: str | None = None) -> Source:
         config = path / (folder or "") / "config.json"
         if config.is_file():
             files = frozenset(str(f.relative_to(path)) for f in path.rglob("*") if f.is_file())
-            return Source("local", str(path), folder, config=read_json(config), files=files)
+            index = path / "model_index.json"
+            experts = index_experts(read_json(index)) if folder != subfolder and index.is_file() else ()
+            return Source("local", str(path), folder, config=read_json(config), files=files, experts=experts)
     if subfolder is not None:
         raise ValueError(f"{path / subfolder} holds no config.json: not a model folder")
     raise ValueError(f"{path} holds no config.json (nor {PIPELINE_SUBFOLDER}/config.json): not a model directory")
@@ -150,14 +155,17 @@ def _hub_source(repo_id: str, revision: str | None, subfolder: str | None = None
             return Source("converted", repo_id, revision=sha, hub=hub)
         if subfolder is not None and f"{subfolder}/config.json" not in files:
             raise ValueError(f"hub model {repo_id} has no {subfolder}/config.json: check --subfolder")
+        experts = ()
         if subfolder is None and "model_index.json" in files:
             subfolder = PIPELINE_SUBFOLDER
             if f"{subfolder}/{MHLA_CONFIG}" in files:  # a pipeline holding a converted transformer
                 return Source("converted", repo_id, subfolder, sha, hub=hub)
+            experts = index_experts(read_json(Path(hf_hub_download(repo_id, "model_index.json", revision=sha, **hub))))
         config_file = hf_hub_download(repo_id, "config.json", subfolder=subfolder, revision=sha, **hub)
     except HUB_ERRORS as error:
         raise hub_unreachable(repo_id, error) from error
-    return Source("hub", repo_id, subfolder, sha, json.loads(Path(config_file).read_text()), frozenset(files), hub=hub)
+    return Source("hub", repo_id, subfolder, sha, json.loads(Path(config_file).read_text()), frozenset(files), hub=hub,
+                  experts=experts)
 
 
 def _single_file_source(path: Path, config: str | None, subfolder: str | None, revision: str | None,
@@ -240,6 +248,8 @@ def source_meta_model(source: Source) -> nn.Module | None:
 
 
 def load_source(source: Source, torch_dtype=None, device=None) -> nn.Module:
+    if source.experts:  # one model of two would be half the pipeline
+        raise refuse_one_expert(source.location, source.experts)
     if source.kind == "tiny":
         return tiny_model(source.location, torch_dtype=torch_dtype, device=device)
     if source.kind == "converted":

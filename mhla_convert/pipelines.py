@@ -48,25 +48,28 @@ def _source_folder(source: Source) -> Path:
         raise hub_unreachable(source.location, error) from error
 
 
-def _copy_pipeline(transformer: nn.Module, folder: Path, staging: Path, max_shard_size) -> None:
+def _copy_pipeline(models: dict[str, nn.Module], folder: Path, staging: Path, max_shard_size) -> None:
     from .io import save_pretrained
 
     for entry in folder.iterdir():
-        if entry.name in NOT_COPIED or entry.name.startswith("."):
+        if entry.name in (*NOT_COPIED, *models) or entry.name.startswith("."):
             continue
         if entry.is_dir():
             shutil.copytree(entry, staging / entry.name)
         else:
             shutil.copy2(entry, staging / entry.name)
-    save_pretrained(transformer, staging / PIPELINE_SUBFOLDER, max_shard_size=max_shard_size)
     index = json.loads((folder / MODEL_INDEX).read_text())
     index.pop("_name_or_path", None)  # where diffusers loaded the source from: a local path, often
-    index[PIPELINE_SUBFOLDER] = [type(transformer).__module__, type(transformer).__name__]
+    for name, model in models.items():
+        save_pretrained(model, staging / name, max_shard_size=max_shard_size)
+        index[name] = [type(model).__module__, type(model).__name__]
     (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def save_pipeline(transformer: nn.Module, source: Source, directory, *, max_shard_size: int | str = "5GB") -> Path:
-    """Save the converted `transformer` with the rest of `source`'s pipeline to `directory`."""
+def save_pipeline(transformer, source: Source, directory, *, max_shard_size: int | str = "5GB") -> Path:
+    """Save the converted `transformer` (or a pipeline's converted `experts.Experts`) with the rest of `source`'s
+    pipeline to `directory`."""
+    from .experts import Experts
     from .io import check_save_target, write_atomically
 
     check_pipeline_source(source)
@@ -78,4 +81,5 @@ def save_pipeline(transformer: nn.Module, source: Source, directory, *, max_shar
         return write_atomically(directory, lambda staging: pipe.save_pretrained(staging,
                                                                                 max_shard_size=max_shard_size))
     folder = _source_folder(source)
-    return write_atomically(directory, lambda staging: _copy_pipeline(transformer, folder, staging, max_shard_size))
+    models = transformer.models if isinstance(transformer, Experts) else {PIPELINE_SUBFOLDER: transformer}
+    return write_atomically(directory, lambda staging: _copy_pipeline(models, folder, staging, max_shard_size))

@@ -100,3 +100,72 @@ def test_train_each_stage_then_sample(family, name, tmp_path):
         assert imageio.get_reader(out).count_frames() == 5
     else:
         assert out.read_text().startswith("a red cube")
+
+
+PIPELINES = [(family, name) for family, cls in sorted(families().items()) if cls.library == "diffusers"
+             for name in cls().tiny_pipelines()]
+
+
+def _expert_inputs(model, timesteps: tuple[int, ...]) -> list[dict]:
+    adapter = adapter_for_model(model)
+    batches = []
+    for seed, t in enumerate(timesteps):
+        batch = _inputs(adapter, model, seed)
+        batches.append({**batch, "timestep": torch.full_like(batch["timestep"], t)})
+    return batches
+
+
+@pytest.mark.parametrize("family, name", PIPELINES, ids=[name for _, name in PIPELINES])
+def test_pipeline_of_experts_converts_together_reloads_samples_and_refuses_one_expert(family, name, run_model,
+                                                                                         tmp_path):
+    """Two experts (high / low noise): one plan over both, both saved and reloaded bitwise, both sampled."""
+    from diffusers import DiffusionPipeline
+
+    from mhla_convert.cli import app
+    from mhla_convert.experts import EXPERTS, tiny_pipeline
+    from mhla_convert.train import TrainError
+
+    pipe = tiny_pipeline(name)
+    pipe.save_pretrained(tmp_path / "base")  # the unconverted pipeline, as a hub pipeline folder holds it
+    boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+    calibration = _expert_inputs(pipe.transformer, (999, 1, int(boundary), int(boundary) - 1))
+    report = mhla_convert.convert(pipe, ratio=0.5, strategy="auto", calibration=calibration, progress=False)
+    experts = {expert: getattr(pipe, expert) for expert in EXPERTS}
+    plans = [model.mhla_plan for model in experts.values()]
+    assert plans[0] == plans[1] and plans[0]["strategy"] == "auto" and plans[0]["layers"] == report.converted
+    assert len(report.converted) == 3 and sorted(report.sensitivity) == list(range(6))
+    inputs = _expert_inputs(pipe.transformer, (999,))[0]
+    with torch.no_grad():
+        for model in experts.values():
+            for _, layer in mhla_convert.mhla_layers(model):
+                layer.mixing.mul_(torch.rand_like(layer.mixing))
+    before = {expert: run_model(model, inputs) for expert, model in experts.items()}
+    assert not torch.equal(*before.values())  # two experts, not one twice
+    pipe.save_pretrained(tmp_path / "pipe")
+    reloaded = DiffusionPipeline.from_pretrained(tmp_path / "pipe")
+    called = dict.fromkeys(EXPERTS, 0)
+    for expert in EXPERTS:
+        model = getattr(reloaded, expert)
+        assert model.mhla_plan == experts[expert].mhla_plan
+        assert torch.equal(run_model(model, inputs), before[expert])
+        model.register_forward_pre_hook(lambda *_, e=expert: called.__setitem__(e, called[e] + 1))
+    frames = reloaded("a red cube", height=64, width=64, num_frames=5, num_inference_steps=4, output_type="np",
+                      generator=torch.Generator().manual_seed(0)).frames[0]
+    assert frames.shape == (5, 64, 64, 3) and all(called.values())  # both experts denoised
+
+    runner = CliRunner()
+    refused = runner.invoke(app, [str(tmp_path / "base"), "--out", str(tmp_path / "one")])
+    assert refused.exit_code == 2 and "transformer_2" in refused.output and "--pipeline" in refused.output
+    args = [str(tmp_path / "base"), "--pipeline", "--ratio", "0.5", "--out", str(tmp_path / "cli")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    saved = DiffusionPipeline.from_pretrained(tmp_path / "cli")
+    assert saved.transformer.mhla_plan["layers"] == saved.transformer_2.mhla_plan["layers"] == [1, 3, 5]
+    video = tmp_path / "cli.mp4"
+    args = ["sample", str(tmp_path / "cli"), "--out", str(video), "--steps", "2", "--height", "64", "--width", "64",
+            "--num-frames", "5"]
+    result = runner.invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    assert imageio.get_reader(video).count_frames() == 5
+    with pytest.raises(TrainError, match="model.checkpoint DIR/transformer"):  # the trainer trains one transformer
+        train(parse_recipe(_recipe(family, str(tmp_path / "base"))), tmp_path / "run", log=lambda *_: None)

@@ -362,6 +362,11 @@ class DiffusersAdapter(FamilyAdapter):
         """Further tiny parts some variants need (built after the others, under the same seed)."""
         return {}
 
+    def tiny_pipelines(self) -> dict[str, dict[str, Any]]:
+        """Built-in tiny pipelines of two experts (`experts.tiny_pipeline`): name -> {"experts": the tiny model each
+        expert is, of its own seed; "boundary_ratio": where denoising passes from the first to the second}."""
+        return {}
+
     # --- encoding image / video folders ----------------------------------------------------
     def encode_latents(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         pixels = pixels.to(vae.device, vae.dtype)

@@ -1,6 +1,8 @@
-"""Wan2.1 (T2V and I2V): 3-D token grid (frames, height, width), QK RMSNorm across heads and 3-D
+"""Wan2.1 and Wan2.2 (T2V, I2V, TI2V): 3-D token grid (frames, height, width), QK RMSNorm across heads and 3-D
 RoPE on interleaved channel pairs, both reproduced by the MHLA layer from the host's own modules.
-Cross-attention (`attn2`, with the image key/values in I2V) stays softmax.
+Cross-attention (`attn2`, with the image key/values in Wan2.1 I2V) stays softmax. Wan2.2-TI2V-5B denoises the
+48-channel latents of the Wan2.2 VAE (16× spatial, patchified); the A14B pipelines hold two experts of the
+Wan2.1-14B shape, converted together (experts.py).
 
 Training and sampling: flow matching on video latents (frames 4k+1 → (k+1) latent frames) through
 WanPipeline; an image-to-video model (I2V: more input channels than output channels) also takes the
@@ -20,6 +22,7 @@ from .diffusers_base import DiffusersAdapter, given, tiny_t5_config
 WAN_TEXT_TOKENS = 512  # WanAttnProcessor: image tokens = all context tokens − 512
 IMAGE_TOKENS = 4  # synthetic CLIP image embeddings per example (CLIP ViT-H/14 at 224 px gives 257)
 TINY_VIDEO = dict(height=64, width=64, num_frames=5)  # what tiny models sample by default
+WAN22_LATENT_CHANNELS = 48  # the Wan2.2 VAE's z_dim: 4x16x16 compression (2x2 patches inside the VAE)
 
 
 def is_i2v(model: nn.Module) -> bool:
@@ -101,6 +104,9 @@ class WanAdapter(DiffusersAdapter):
         "wan2.1-14b": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
         "wan2.1-i2v-14b-480p": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
         "wan2.1-i2v-14b-720p": "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+        "wan2.2-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        "wan2.2-t2v-a14b": "Wan-AI/Wan2.2-T2V-A14B-Diffusers",  # two experts: convert with --pipeline
+        "wan2.2-i2v-a14b": "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     }
     blocks_attr = "blocks"
     # 81 frames at 480x800 -> 21x30x50 tokens; 7x3x5 = 105 blocks of 3x10x10 tokens (the paper's M).
@@ -115,7 +121,8 @@ class WanAdapter(DiffusersAdapter):
     sample_kind = "video"
 
     def native_grid(self, model) -> tuple[int, ...]:
-        return (21, 30, 50)  # the config has no sample size: the paper's 81x480x800 setting
+        # the config has no sample size: Wan2.2-TI2V-5B's 121 frames at 704x1280, else the paper's 81x480x800
+        return (31, 22, 40) if model.config.out_channels == WAN22_LATENT_CHANNELS else (21, 30, 50)
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         # The I2V processor splits off the image tokens assuming exactly 512 text tokens.
@@ -132,10 +139,15 @@ class WanAdapter(DiffusersAdapter):
         )
         # I2V input = noisy latents (4) + first-frame mask (4, the VAE's temporal factor) + image-condition latents (4)
         i2v = {**t2v, "in_channels": 12, "image_dim": 16, "added_kv_proj_dim": 24}
-        return {"tiny-wan": t2v, "tiny-wan-i2v": i2v}
+        # Wan2.2-TI2V-5B's shape: the Wan2.2 VAE's 48 latent channels in and out
+        ti2v = {**t2v, "in_channels": WAN22_LATENT_CHANNELS, "out_channels": WAN22_LATENT_CHANNELS}
+        return {"tiny-wan": t2v, "tiny-wan-i2v": i2v, "tiny-wan2.2-ti2v": ti2v}
 
     def tiny_config(self) -> dict[str, Any]:
         return self.tiny_configs()["tiny-wan"]
+
+    def tiny_pipelines(self) -> dict[str, dict[str, Any]]:
+        return {"tiny-wan2.2-a14b": {"experts": "tiny-wan", "boundary_ratio": 0.875}}  # Wan2.2-T2V-A14B's boundary
 
     # --- training --------------------------------------------------------------------------
     def denoise(self, model, noisy, timestep, batch):
@@ -177,10 +189,13 @@ class WanAdapter(DiffusersAdapter):
     def tiny_vae(self, latent_channels: int):
         from diffusers import AutoencoderKLWan
 
-        # 8× spatial, 4× temporal (4k+1 frames)
+        # 8× spatial, 4× temporal (4k+1 frames); the Wan2.2 VAE's form (48 channels): residual blocks on 2x2 pixel
+        # patches, 16× spatial
+        wan22 = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
         return AutoencoderKLWan(base_dim=8, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * latent_channels,
-                                latents_std=[1.0] * latent_channels)
+                                latents_std=[1.0] * latent_channels,
+                                **(wan22 if latent_channels == WAN22_LATENT_CHANNELS else {}))
 
     def tiny_text_encoder(self, width: int):
         from transformers import UMT5EncoderModel
@@ -188,7 +203,10 @@ class WanAdapter(DiffusersAdapter):
         return UMT5EncoderModel(tiny_t5_config(width))
 
     def tiny_extra_components(self, transformer) -> dict[str, Any]:
-        return tiny_image_encoder(transformer.config.image_dim) if is_i2v(transformer) else {}
+        if transformer.config.out_channels == WAN22_LATENT_CHANNELS:  # TI2V: a timestep per token, as its pipeline
+            return {"expand_timesteps": True}
+        image_dim = transformer.config.image_dim
+        return tiny_image_encoder(image_dim) if is_i2v(transformer) and image_dim is not None else {}
 
     # --- encoding video folders ------------------------------------------------------------
     def check_folder_spec(self, spec) -> None:
