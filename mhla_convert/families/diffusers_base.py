@@ -81,14 +81,17 @@ class DiffusersMHLA(MHLAttention):
         """Move `host`'s projections and norms into a new layer; only `mixing` (and an optional
         output norm) are new. Built on the meta device first so no throwaway weights are initialised."""
         has_norm = getattr(host, "norm_q", None) is not None
+        out = getattr(host, "to_out", None)  # None: a pre-only attention (FLUX's single-stream blocks)
         with torch.device("meta"):
             layer = cls(
                 host.to_q.in_features, host.heads, head_dim=host.to_q.out_features // host.heads,
-                qkv_bias=host.to_q.bias is not None, out_bias=host.to_out[0].bias is not None,
-                out_dim=host.to_out[0].out_features, qk_norm=qk_norm if has_norm else None, config=config,
+                qkv_bias=host.to_q.bias is not None, out_bias=out is None or out[0].bias is not None,
+                out_dim=None if out is None else out[0].out_features, qk_norm=qk_norm if has_norm else None,
+                config=config,
             )
         layer.to_q, layer.to_k, layer.to_v = host.to_q, host.to_k, host.to_v
-        layer.to_out = nn.Sequential(*host.to_out)  # same children, same keys (to_out.0.weight)
+        # same children, same keys (to_out.0.weight)
+        layer.to_out = nn.Identity() if out is None else nn.Sequential(*out)
         if has_norm:
             layer.norm_q, layer.norm_k = host.norm_q, host.norm_k
         weight = host.to_q.weight
@@ -207,9 +210,13 @@ class DiffusersAdapter(FamilyAdapter):
         size = model.config.sample_size
         return tuple(size // p for p in self.patch_size(model))
 
+    def token_grid(self, model: nn.Module) -> TokenGrid:
+        """The forward pre-hook that records the model's token grid (`TokenGrid`)."""
+        return TokenGrid(self.patch_size(model))
+
     def prepare(self, model: nn.Module) -> None:
         if getattr(model, GRID_ATTR, None) is None:
-            grid = TokenGrid(self.patch_size(model))
+            grid = self.token_grid(model)
             model.register_forward_pre_hook(grid, with_kwargs=True)
             setattr(model, GRID_ATTR, grid)
 
@@ -425,9 +432,24 @@ class DiffusersAdapter(FamilyAdapter):
                    **self.pipeline_inputs(pipe, base, **inputs))
         return out.frames[0] if self.video else out.images[0]
 
+    def check_pixel_size(self, pipe, model: nn.Module, sizes: dict[str, int | None]) -> None:
+        """Refuse (TrainError) picture sides, {name: pixels}, that the pipeline's VAE and `model`'s patches cannot
+        tile: each a multiple of the VAE's spatial factor times the patch size along it."""
+        from ..train.errors import TrainError
+
+        vae = (getattr(pipe, "vae_scale_factor_spatial", None) or getattr(pipe, "vae_scale_factor", None)
+               or 2 ** (len(pipe.vae.config.block_out_channels) - 1))  # DiTPipeline keeps no factor
+        patches = self.patch_size(model)[-2:]
+        for (name, pixels), patch in zip(sizes.items(), patches):
+            factor = vae * patch
+            if pixels is not None and pixels % factor:
+                raise TrainError(f"{name} {pixels} must be a multiple of {factor} (the VAE's factor {vae} × the patch "
+                                 f"size {patch}): e.g. {max(factor, pixels // factor * factor)}")
+
     def sample(self, model, base, prompt, *, device, seed=0, steps=20, max_new_tokens=32, **inputs):
         """An image (PIL), or a video's (F, H, W, 3) frames in [0, 1]."""
         pipe = self.sampling_pipeline(model, base, device=device)
+        self.check_pixel_size(pipe, model, {"--height": inputs.get("height"), "--width": inputs.get("width")})
         generator = torch.Generator(device).manual_seed(seed)
         return self.generate(pipe, base, generator=generator, steps=steps, output_type="np" if self.video else "pil",
                              prompt=prompt, **inputs)
