@@ -126,6 +126,9 @@ class FluxAdapter(DiffusersAdapter):
     def attention_modules(self, model) -> list[nn.Module]:
         return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
 
+    def patch_size(self, model) -> tuple[int, ...]:
+        return (2, 2)  # FluxPipeline packs 2x2 latent patches into one token (the config's patch_size is 1)
+
     def native_grid(self, model) -> tuple[int, ...]:
         return (64, 64)  # the config has no sample size: 1024² through the 8× VAE and 2×2 packing
 
