@@ -1,10 +1,13 @@
 """Whole-transformer forward latency: a Wan2.1-1.3B-shaped `WanTransformer3DModel` (real config,
-random weights) at 81x480x800 (31,500 tokens; --resolution 720p: 81x720x1280, 75,600 tokens), with --model sana a
+random weights) at 81x480x800 (31,500 tokens; --resolution 720p: 81x720x1280, 75,600 tokens), with --model
+wan2.2-ti2v a Wan2.2-TI2V-5B-shaped one (48 latent channels of the Wan2.2 VAE, 4x16x16) at its 720p, 121x704x1280
+(31x22x40 = 27,280 tokens), with --model sana a
 SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, or with --model dit a
 DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens); original vs converted to MHLA with the
 library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|sana|dit|wan-layer] [--backend auto|torch|triton] [--compile]
+    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|wan-layer] [--backend auto|torch|triton]
+        [--compile]
         [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
@@ -23,7 +26,7 @@ variant eager and compiled, its speed-up over the original in the same mode, and
 the most GPU time per forward, and its total kernel time: where a whole model's time goes, and how much of it the
 attention takes.
 
---tiny runs narrow 2-3-layer versions of wan, sana and dit on the CPU in float32 (perf_counter timings;
+--tiny runs narrow 2-3-layer versions of wan, wan2.2-ti2v, sana and dit on the CPU in float32 (perf_counter timings;
 --compile traces with the "aot_eager" backend, no code generation; --kernels lists CPU ops): a smoke run.
 """
 
@@ -46,7 +49,8 @@ WAN_CONFIG = dict(
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", eps=1e-6,
 )
-WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid
+WAN22_TI2V_CONFIG = {**WAN_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336}
+WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid (and Wan2.2-TI2V's 31x22x40: blocks of 5x8x8 tokens)
 # --tiny: narrow, shallow models and small grids of the same kinds
 TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
@@ -63,6 +67,13 @@ class Setup:
     tiny: bool = False
     kernels: int = 0
     resolution: str = "480p"
+    ti2v: bool = False  # the Wan2.2-TI2V-5B shape
+
+    @property
+    def wan_config(self) -> dict:
+        config = WAN22_TI2V_CONFIG if self.ti2v else WAN_CONFIG
+        channels = {k: config[k] for k in ("in_channels", "out_channels")}
+        return {**config, **({**TINY_WAN, **channels} if self.tiny else {})}
 
     @property
     def device(self) -> str:
@@ -173,7 +184,7 @@ def _converted(model, setup: Setup, **plan):
 def _wan(setup: Setup, num_layers=30):
     from diffusers import WanTransformer3DModel
 
-    config = {**WAN_CONFIG, **(TINY_WAN if setup.tiny else {"num_layers": num_layers})}
+    config = {**setup.wan_config, **({} if setup.tiny else {"num_layers": num_layers})}
     with torch.device(setup.device):
         return WanTransformer3DModel(**config).to(setup.dtype).eval()
 
@@ -182,7 +193,11 @@ def bench_wan(setup: Setup):
     model = _wan(setup)
     layers, cfg = model.config.num_layers, model.config
     if setup.tiny:
-        title, x, blocks = "tiny Wan, 3x4x4 tokens", setup.randn(1, cfg.in_channels, 3, 8, 8), (3, 2, 2)
+        title = f"tiny Wan{'2.2-TI2V, 48 channels' if setup.ti2v else ''}, 3x4x4 tokens"
+        x, blocks = setup.randn(1, cfg.in_channels, 3, 8, 8), (3, 2, 2)
+    elif setup.ti2v:
+        title = "Wan2.2-TI2V-5B-shaped, 121x704x1280 -> 31x22x40 = 27,280 tokens"
+        x, blocks = setup.randn(1, 48, 31, 44, 80), WAN_BLOCKS
     elif setup.resolution == "720p":
         title = "Wan2.1-1.3B-shaped, 81x720x1280 -> 21x45x80 = 75,600 tokens"
         x, blocks = setup.randn(1, 16, 21, 90, 160), WAN_BLOCKS
@@ -311,7 +326,7 @@ def report(title: str, groups: list, setup: Setup) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wan", choices=("wan", "sana", "dit", "wan-layer"))
+    ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
@@ -326,17 +341,20 @@ def main(argv=None) -> str:
         ap.error("--mode needs --compile, on the GPU (--tiny compiles with the aot_eager backend)")
     if args.model == "wan-layer" and (args.compile or args.tiny or args.kernels):
         ap.error("--model wan-layer times one module's pieces on the GPU, without --compile, --kernels or --tiny")
+    if args.resolution != "480p" and args.model == "wan2.2-ti2v":
+        ap.error("--resolution is for --model wan (Wan2.1-1.3B); wan2.2-ti2v runs at its 720p, 121x704x1280")
     if args.kernels < 0:
         ap.error(f"--kernels must be a count ≥ 0; got {args.kernels}")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
     setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny, kernels=args.kernels,
-                  resolution=args.resolution)
+                  resolution=args.resolution, ti2v=args.model == "wan2.2-ti2v")
     threads = torch.get_num_threads()
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
     try:
-        bench = {"wan": bench_wan, "sana": bench_sana, "dit": bench_dit, "wan-layer": bench_wan_layer}[args.model]
+        bench = {"wan": bench_wan, "wan2.2-ti2v": bench_wan, "sana": bench_sana, "dit": bench_dit,
+                 "wan-layer": bench_wan_layer}[args.model]
         title, groups = bench(setup)
     finally:
         torch.set_num_threads(threads)

@@ -142,6 +142,15 @@ def test_wan_forward_tiny_compiled(load):
     assert rows[0][2] == rows[0][4] == "1.00x"
 
 
+def test_wan_forward_tiny_wan22_ti2v(load, capsys):
+    """The Wan2.2-TI2V-5B shape's smoke run: 48 latent channels, the same variants; its 720p is its only size."""
+    text = load("wan_forward").main(["--tiny", "--model", "wan2.2-ti2v"])
+    assert "48 channels" in text and [r[0].split(" ")[0] for r in _table(text)] == ["original", "all", "all", "2"]
+    with pytest.raises(SystemExit) as exit_:
+        load("wan_forward").main(["--tiny", "--model", "wan2.2-ti2v", "--resolution", "720p"])
+    assert exit_.value.code == 2 and "121x704x1280" in capsys.readouterr().err
+
+
 def test_wan_forward_tiny_dit_compiled(load):
     """DiT: original and converted, eager and compiled, in alternating rounds."""
     rows = _table(load("wan_forward").main(["--tiny", "--model", "dit", "--compile"]))
