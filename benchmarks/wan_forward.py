@@ -2,11 +2,13 @@
 random weights) at 81x480x800 (31,500 tokens; --resolution 720p: 81x720x1280, 75,600 tokens), with --model
 wan2.2-ti2v a Wan2.2-TI2V-5B-shaped one (48 latent channels of the Wan2.2 VAE, 4x16x16) at its 720p, 121x704x1280
 (31x22x40 = 27,280 tokens), with --model sana a
-SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, or with --model dit a
-DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens); original vs converted to MHLA with the
+SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, with --model dit a
+DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens), or with --model flux a FLUX.1-dev-shaped
+`FluxTransformer2DModel` at 1024² and 2048² (64x64 and 128x128 packed tokens, 512 text tokens: joint text-image
+MHLA, torch path only, not yet timed here); original vs converted to MHLA with the
 library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|wan-layer] [--backend auto|torch|triton]
+    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|wan-layer] [--backend auto|torch|triton]
         [--compile]
         [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
 
@@ -51,7 +53,14 @@ WAN_CONFIG = dict(
 )
 WAN22_TI2V_CONFIG = {**WAN_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336}
 WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid (and Wan2.2-TI2V's 31x22x40: blocks of 5x8x8 tokens)
+# FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json)
+FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                   axes_dims_rope=(16, 56, 56))
 # --tiny: narrow, shallow models and small grids of the same kinds
+TINY_FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
+                 num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=12, guidance_embeds=True,
+                 axes_dims_rope=(2, 2, 4))
 TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
 TINY_SANA = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
@@ -279,6 +288,33 @@ def bench_sana(setup: Setup):
     return "tiny SANA" if setup.tiny else "SANA-1600M-shaped (class defaults)", groups
 
 
+def bench_flux(setup: Setup):
+    """FLUX.1-dev-shaped at 1024² and 2048² (64x64 and 128x128 packed tokens) with 512 prompt tokens: the original
+    against every joint attention converted (8x8 image blocks, the family's exact region, the text read exactly)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    with torch.device(setup.device):
+        model = FluxTransformer2DModel(**(TINY_FLUX if setup.tiny else FLUX_CONFIG)).to(setup.dtype).eval()
+    cfg, text = model.config, 8 if setup.tiny else 512
+    prompt, pooled = setup.randn(1, text, cfg.joint_attention_dim), setup.randn(1, cfg.pooled_projection_dim)
+    t, guidance = setup.randn(1).abs().clamp(max=1), torch.full((1,), 3.5, device=setup.device, dtype=setup.dtype)
+    txt_ids = torch.zeros(text, 3, device=setup.device, dtype=setup.dtype)
+    # (px, token side, blocks): M = 64 (tiny: 4 and 16)
+    sizes = ((1024, 8, (2, 2)), (2048, 16, (4, 4))) if setup.tiny else ((1024, 64, (8, 8)), (2048, 128, (8, 8)))
+    groups = []
+    for px, side, blocks in sizes:
+        x = setup.randn(1, side * side, cfg.in_channels)
+        img_ids = FluxPipeline._prepare_latent_image_ids(1, side, side, setup.device, setup.dtype)
+        mhla = _converted(model, setup, blocks=blocks)
+        groups.append(_measure({f"{px}² original, {side}x{side} + {text} text tokens": model,
+                                f"{px}² joint MHLA, M={blocks[0] * blocks[1]}": mhla},
+                               lambda m: m(x, prompt, pooled, t, img_ids, txt_ids, guidance, return_dict=False),
+                               setup, alternate=True))
+        del mhla
+        torch._dynamo.reset()  # the next size compiles afresh
+    return "tiny FLUX" if setup.tiny else "FLUX.1-dev-shaped (real config)", groups
+
+
 def bench_dit(setup: Setup):
     from diffusers import DiTTransformer2DModel
 
@@ -326,7 +362,7 @@ def report(title: str, groups: list, setup: Setup) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "wan-layer"))
+    ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "flux", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
@@ -354,7 +390,7 @@ def main(argv=None) -> str:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
     try:
         bench = {"wan": bench_wan, "wan2.2-ti2v": bench_wan, "sana": bench_sana, "dit": bench_dit,
-                 "wan-layer": bench_wan_layer}[args.model]
+                 "flux": bench_flux, "wan-layer": bench_wan_layer}[args.model]
         title, groups = bench(setup)
     finally:
         torch.set_num_threads(threads)

@@ -272,3 +272,9 @@ def test_frontier_records_a_failing_part_and_runs_the_others(load, tmp_path, mon
     assert saved["runs"]["wan"]["error"] == "RuntimeError: out of memory | here" and saved["wan"] is None
     assert all(isinstance(row["lm:decode:128"], float) for row in saved["frontier"])
     assert "wan: " in (text := (tmp_path / "frontier.md").read_text()) and "FAILED: RuntimeError" in text
+
+
+def test_wan_forward_tiny_flux(load):
+    """FLUX's smoke run: the original and the joint-MHLA conversion at two sizes."""
+    rows = _table(load("wan_forward").main(["--tiny", "--model", "flux"]))
+    assert [r[0].split(" ")[1] for r in rows] == ["original,", "joint", "original,", "joint"]
