@@ -205,6 +205,8 @@ def convert_command(
             resolved = check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
             if calibration is not None and not auto and not fits_far_weight(resolved, attention):
                 raise ValueError(useless_calibration)
+        if calibration is not None:
+            _check_calibration(skeleton, calibration)
         with _step(f"loading {source.describe()}"):  # a pipeline's experts (Wan2.2-A14B) all, to convert together
             experts = load_experts(source, torch_dtype) if pipeline and source.experts else None
             base = experts.models[EXPERTS[0]] if experts else load_source(source, torch_dtype=torch_dtype)
@@ -228,6 +230,21 @@ def convert_command(
             _push(saved, push, private)
     except USER_ERRORS as error:
         _fail(error)
+
+
+def _check_calibration(skeleton, source: str) -> None:
+    """--calibration's data, and its kind against the model's family where its config is known, before the weights
+    load."""
+    from .families import adapter_for_model
+    from .train.calibration import calibration_data, check_calibration_kind
+    from .train.errors import TrainError
+
+    try:
+        spec = calibration_data(source)
+        if skeleton is not None:
+            check_calibration_kind(adapter_for_model(skeleton), spec)
+    except TrainError as error:
+        raise ValueError(str(error)) from None
 
 
 def _calibration(model, source: str, count: int) -> list[dict]:

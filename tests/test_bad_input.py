@@ -5,8 +5,11 @@ the checkpoints the sampling and damaged-file cases need are built once per modu
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,6 +203,9 @@ RECIPE_SETS = [
     ("data.height=0", ["data.height: must be ≥ 1; got 0"]),
     ("data.latent_size=[8]", ["data.latent_size: give the latent height and width"]),
     ("data.num_workers=-1", ["data.num_workers: must be ≥ 0"]),
+    ("seed=-1", ["seed: must be ≥ 0; got -1"]),
+    ("objective.num_train_timesteps=0", ["objective.num_train_timesteps: must be ≥ 1"]),
+    ("push_to_hub={repo_id: 'my model!!'}", ["push_to_hub.repo_id: not a Hub repo id", "you/model-mhla"]),
 ]
 
 
@@ -254,15 +260,26 @@ def test_finetune_refuses_bad_training_data_before_encoding(rows, fragment, reci
     assert not (root / ".mhla_cache").exists() and not (out / "model").exists()
 
 
+def test_finetune_refuses_a_folder_size_the_vae_and_patches_cannot_tile(recipe_file, tmp_path, monkeypatch):
+    from mhla_convert.families.diffusers_base import DiffusersAdapter
+
+    monkeypatch.setattr(DiffusersAdapter, "encode_latents", lambda *a: pytest.fail("encoding began"))
+    root = _image_folder(tmp_path / "data", [GOOD_LINE])
+    result = cli("finetune", recipe_file, "--out", tmp_path / "run", "--set",
+                 f"data={{kind: folder, path: {root}, height: 30, width: 32}}")
+    assert_one_line(result, "data.height 30 must be a multiple of", "(the VAE's factor", "× the patch size 2)",
+                    before_load=False)
+
+
 # --- sample ----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Converted tiny DiT and Llama checkpoints, shared by the sampling and damaged-file cases."""
+    """Converted tiny DiT, Llama and PixArt checkpoints, shared by the sampling and damaged-file cases."""
     root = tmp_path_factory.mktemp("checkpoints")
     paths = {}
-    for name in ("tiny-dit", "tiny-llama"):
+    for name in ("tiny-dit", "tiny-llama", "tiny-pixart"):
         model = tiny_model(name)
         convert(model, ratio=0.5)
         paths[name] = mhla_convert.save_pretrained(model, root / name)
@@ -285,6 +302,9 @@ SAMPLE = [
     ("tiny-dit", ["--guidance-scale", "nan"], "png", ["--guidance-scale must be a finite number ≥ 0"]),
     ("tiny-dit", ["--height", "0"], "png", ["--height must be a whole number ≥ 1"]),
     ("tiny-llama", ["--max-new-tokens", "0"], "txt", ["--max-new-tokens must be a whole number ≥ 1"]),
+    ("tiny-dit", ["--seed", "-1"], "png", ["--seed must be a whole number ≥ 0; got -1"]),
+    ("tiny-llama", ["--prompt", ""], "txt", ["--prompt is empty"]),
+    ("tiny-pixart", ["--prompt", "  "], "png", ["--prompt is empty", "leave --prompt out"]),
 ]
 
 
@@ -295,6 +315,14 @@ def test_sample_refuses_before_loading(name, args, suffix, fragments, checkpoint
     out = tmp_path / "samples" / f"x.{suffix}"
     assert_one_line(cli("sample", checkpoints[name], "--out", out, *args), *fragments)
     assert not out.parent.exists()
+
+
+def test_sample_refuses_a_size_the_vae_and_patches_cannot_tile(checkpoints, tmp_path):
+    out = tmp_path / "x.png"
+    result = cli("sample", checkpoints["tiny-pixart"], "--out", out, "--height", "30", "--steps", "1")
+    assert_one_line(result, "--height 30 must be a multiple of", "(the VAE's factor", "× the patch size 2)",
+                    before_load=False)
+    assert not out.exists()
 
 
 @NO_CUDA
@@ -377,6 +405,108 @@ def test_damaged_checkpoint_is_a_value_error_naming_the_file(kind, damaged):
     assert DAMAGE[kind][1] in str(error.value)
 
 
+def _adapter(directory, config='{"peft_type": "LORA"}'):
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(config)
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(2, 8)}, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+ADAPTERS = {
+    "config not JSON": (lambda d: _adapter(d, config='{"peft_type": "LORA",'), "adapter_config.json is not valid JSON"),
+    "truncated weights": (lambda d: _truncate(_adapter(d) / "adapter_model.safetensors"),
+                          "adapter_model.safetensors cannot be read"),
+}
+
+
+@pytest.mark.parametrize("kind", ADAPTERS)
+def test_damaged_adapter_is_one_line_before_the_model_loads(kind, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setattr("mhla_convert.train.sampling._load", lambda *a: pytest.fail("the checkpoint was loaded"))
+    make, fragment = ADAPTERS[kind]
+    make(tmp_path / "adapter")
+    out = tmp_path / "x.png"
+    assert_one_line(cli("sample", checkpoints["tiny-dit"], "--out", out, "--adapter", tmp_path / "adapter"),
+                    f"the adapter {tmp_path / 'adapter'}", fragment)
+    assert not out.exists()
+
+
+# --- outputs that cannot be written -----------------------------------------------------------------
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder nothing can be made in: a read-only one, or for root (whom permissions do not stop) /sys."""
+    if os.geteuid() == 0:
+        yield Path("/sys")
+        return
+    folder = tmp_path / "read-only"
+    folder.mkdir(mode=0o500)
+    yield folder
+    folder.chmod(0o700)
+
+
+@pytest.mark.parametrize("command", ["eval", "finetune", "sample"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_loading(command, unwritable, checkpoints,
+                                                                         recipe_file, tmp_path, monkeypatch):
+    monkeypatch.setattr("mhla_convert.train.sampling._load", lambda *a: pytest.fail("the checkpoint was loaded"))
+    monkeypatch.setattr("mhla_convert.train.trainer.build_model", lambda *a: pytest.fail("a model was built"))
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    start = {"eval": ["eval", "tiny-dit", "--data", "synthetic"], "finetune": ["finetune", recipe_file],
+             "sample": ["sample", checkpoints["tiny-dit"]]}[command]
+    name = "x.png" if command == "sample" else "out"
+    assert_one_line(cli(*start, "--out", unwritable / name), "cannot write", str(unwritable))
+    assert_one_line(cli(*start, "--out", a_file / name), f"{a_file} is a file")
+    if command != "sample":  # an existing file as the output directory
+        assert_one_line(cli(*start, "--out", a_file), f"{a_file} is a file")
+    assert a_file.read_text() == "mine"
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch):
+    from PIL import Image as PILImage
+
+    from mhla_convert.evaluate import EvalError, evaluate, report
+    from mhla_convert.train.sampling import sample
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PILImage.Image, "save", full)
+    with pytest.raises(TrainError, match=r"cannot write .*x\.png: No space left on device; free space") as error:
+        sample(checkpoints["tiny-dit"], None, tmp_path / "s" / "x.png", steps=1, device="cpu")
+    assert "\n" not in str(error.value) and list((tmp_path / "s").iterdir()) == []
+    monkeypatch.setattr(report, "_atomic_write", full)
+    with pytest.raises(EvalError, match=r"cannot write .*eval\.json: No space left on device; free space"):
+        evaluate("tiny-dit", "synthetic", out_dir=tmp_path / "e", batch_size=1, num_batches=1, timesteps=1)
+    assert list((tmp_path / "e").iterdir()) == []
+
+
+# --- damaged or mismatched data ---------------------------------------------------------------------
+
+
+def test_a_corpus_with_a_malformed_json_line_is_one_line(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "the quick brown fox"}\n{"text": "jumps over\n{"text": "the lazy dog"}\n')
+    result = cli("eval", "tiny-llama", "--data", corpus, "--out", tmp_path / "eval", "--passkey-lengths", "")
+    assert_one_line(result, f"{corpus}:2: not valid JSON", "fix or remove it", before_load=False)
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("model, corpus, fragments", [
+    ("tiny-llama", "", ["holds no text: its file is empty"]),
+    ("tiny-dit", "some text\n", ["is text, but a dit model is calibrated on latents", "'synthetic'"]),
+])
+def test_calibration_data_is_checked_before_the_model_loads(model, corpus, fragments, tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(corpus)
+    out = tmp_path / "out"
+    assert_one_line(cli(model, "--ratio", "0.5", "--strategy", "auto", "--calibration", path, "--out", out),
+                    *fragments)
+    assert not out.exists()
+
+
 # --- eval ------------------------------------------------------------------------------------------
 
 EVAL = [
@@ -385,6 +515,10 @@ EVAL = [
     (["tiny-dit", "--timesteps", "0"], ["timesteps must be at least 1"]),
     (["tiny-dit", "--device", "gpu0"], ["device must be like cpu, cuda or cuda:1"]),
     (["tiny-dit", "--dtype", "fp8"], ["dtype must be one of"]),
+    (["tiny-dit", "--seed", "-1"], ["seed must be a whole number ≥ 0; got -1"]),
+    (["tiny-dit", "--metrics", "loss,fid"], ["the fid metric needs local weights", "--fid-weights"]),
+    (["tiny-dit", "--metrics", "clip", "--clip-model", "/nonexistent/clip"], ["neither a local directory"]),
+    (["tiny-dit", "--metrics", "loss,lpips"], ["unknown metric(s) lpips; choose from loss, fid, clip"]),
 ]
 
 
@@ -401,6 +535,28 @@ def test_eval_refuses_cuda_without_a_gpu(tmp_path):
     assert_one_line(cli("eval", "tiny-dit", "--data", "synthetic", "--out", out, "--device", "cuda"),
                     "no usable CUDA GPU")
     assert not out.exists()
+
+
+def test_eval_against_a_bare_transformer_folder_refuses_before_scoring(tmp_path, monkeypatch):
+    """A reference folder holding only the transformer has no VAE to sample with: said before any loss."""
+    from mhla_convert.evaluate import api as eval_api
+
+    monkeypatch.setattr(eval_api, "heldout_loss", lambda *a, **k: pytest.fail("scoring began"))
+    tiny_model("tiny-dit").save_pretrained(tmp_path / "bare")
+    out = tmp_path / "eval"
+    result = cli("eval", tmp_path / "bare", "--reference", tmp_path / "bare", "--data", "synthetic", "--out", out,
+                 "--device", "cpu")
+    assert_one_line(result, "sample comparison needs the rest of a DiTPipeline", f"{tmp_path / 'bare'} holds no "
+                    "model_index.json", "--components", "--no-samples", before_load=False)
+    assert not out.exists()
+
+
+def test_eval_of_text_for_a_model_without_a_tokenizer(tmp_path):
+    tiny_model("tiny-llama").save_pretrained(tmp_path / "lm")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text to score\n" * 50)
+    result = cli("eval", tmp_path / "lm", "--data", corpus, "--out", tmp_path / "eval", "--device", "cpu")
+    assert_one_line(result, "this model has no tokenizer;", "--components", before_load=False)
 
 
 def test_eval_of_a_damaged_checkpoint_names_the_file(damaged, tmp_path):

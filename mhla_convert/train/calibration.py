@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import default_collate
 
 from .data import build_dataset
+from .encode import text_files
 from .errors import TrainError
 from .recipe import DataSpec, ObjectiveSpec
 
@@ -56,6 +57,7 @@ def model_inputs(adapter, model, batch: dict[str, torch.Tensor], generator: torc
 def calibration_batches(adapter, model, spec: DataSpec, *, num_batches: int, seed: int = 0,
                         objective: ObjectiveSpec | None = None, components: str | None = None) -> list[dict[str, Any]]:
     """`num_batches` batches of `spec.batch_size` examples (a seeded draw from the data), as model inputs."""
+    check_calibration_kind(adapter, spec)
     dataset = build_dataset(spec, adapter, model, seed=seed, components=components)
     num_batches = min(num_batches, len(dataset) // spec.batch_size)
     if num_batches < 1:
@@ -73,6 +75,18 @@ def calibration_batches(adapter, model, spec: DataSpec, *, num_batches: int, see
     return batches
 
 
+def check_calibration_kind(adapter, spec: DataSpec) -> None:
+    """Refuse calibration data of a kind the family is not called on (text for a diffusion model, images for an
+    LM): known from the family alone, so before the model's weights load."""
+    language_model = adapter.library == "transformers"
+    if spec.kind == "text" and not language_model:
+        raise TrainError(f"calibration data {spec.path} is text, but a {adapter.name} model is calibrated on latents: "
+                         "give 'synthetic', latents (.safetensors) or an image/video folder with metadata.jsonl")
+    if spec.kind == "folder" and language_model:
+        raise TrainError(f"calibration data {spec.path} is an image/video folder, but a language model is calibrated "
+                         "on text: give 'synthetic' or text files (.txt, .jsonl, .json, .parquet)")
+
+
 def calibration_data(source: str, *, batch_size: int = 1, num_samples: int = 8) -> DataSpec:
     """A data section for `--calibration SOURCE`: "synthetic" (the family's built-in data), latents
     (a .safetensors file or a directory of them), an image/video folder (with metadata.jsonl) or text."""
@@ -88,4 +102,5 @@ def calibration_data(source: str, *, batch_size: int = 1, num_samples: int = 8) 
         kind = "folder"
     else:
         kind = "text"
+        text_files(path)  # there is text to read
     return DataSpec(kind=kind, path=str(path), batch_size=batch_size)

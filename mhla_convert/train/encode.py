@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,7 @@ def encode_folder(spec: DataSpec, adapter, transformer, components: str | None) 
     rows = _metadata(root)
     pipe = pipeline(adapter.name, transformer, components)
     adapter.check_folder_spec(spec)
+    adapter.check_pixel_size(pipe, transformer, {"data.height": spec.height, "data.width": spec.width})
     for start in range(0, len(rows), spec.encode_batch_size):
         chunk = rows[start : start + spec.encode_batch_size]
         pixels = torch.stack([_read(root / r["file_name"], spec, video=adapter.video) for r in chunk])
@@ -177,27 +179,63 @@ def cached_folder(spec: DataSpec, adapter, transformer, components: str | None) 
 # --- text corpora --------------------------------------------------------------------------------
 
 
-def _text_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = sorted(
+def text_files(path: Path) -> list[Path]:
+    """The text file `path`, or those in the folder `path`; refused (TrainError) when there is no text."""
+    files = [path] if path.is_file() else sorted(
         p
         for p in path.rglob("*")
         if p.suffix in (".json", ".jsonl", ".txt", ".parquet") and ".mhla_cache" not in p.parts
     )
     if not files:
         raise TrainError(f"{path} holds no .jsonl / .json / .txt / .parquet files")
+    if not any(f.stat().st_size for f in files):
+        raise TrainError(f"{path} holds no text: its {'files are' if len(files) > 1 else 'file is'} empty; "
+                         "give a corpus with text in it")
     return files
+
+
+@contextmanager
+def _datasets_quiet():
+    """datasets without its progress bars and its own logging of a file it cannot parse (the error is ours)."""
+    from datasets.utils import logging
+
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity(logging.CRITICAL)
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _bad_json_line(files: list[Path]) -> str | None:
+    """`file:line: problem` for the first line of a .jsonl file that is not valid JSON, if there is one."""
+    for file in (f for f in files if f.suffix == ".jsonl"):
+        with file.open(encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"{file}:{number}: not valid JSON ({exc.msg})"
+    return None
 
 
 def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.Tensor]:
     import datasets
 
-    files = _text_files(Path(spec.path))
+    files = text_files(Path(spec.path))
     fmt = spec.text_format
     if fmt == "auto":
         fmt = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}[files[0].suffix]
-    ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
+    try:
+        with _datasets_quiet():
+            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train")
+    except datasets.exceptions.DatasetGenerationError as exc:
+        problem = _bad_json_line(files) or one_line(exc.__cause__ or exc)
+        raise TrainError(f"cannot read {spec.path} as {fmt}: {problem}; fix or remove it") from None
     if spec.text_column not in ds.column_names:
         raise TrainError(
             f"data.text_column {spec.text_column!r} is not in {spec.path}; columns: {', '.join(ds.column_names)}"
@@ -222,6 +260,6 @@ def pack_text(spec: DataSpec, model, components: str | None) -> dict[str, torch.
 
 
 def cached_text(spec: DataSpec, adapter, model, components: str | None) -> dict[str, torch.Tensor]:
-    files = _text_files(Path(spec.path))
+    files = text_files(Path(spec.path))
     key = _cache_key(spec, adapter.cache_name(model), components, files)
     return _cached(spec, key, lambda: [pack_text(spec, model, components)])

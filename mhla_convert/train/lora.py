@@ -18,6 +18,7 @@ from torch import nn
 
 from ..hub import CARD_FILE, FINGERPRINT_KEY, adapter_card
 from ..layer import mhla_layers
+from ..locations import one_line, read_json
 from .errors import TrainError
 from .recipe import LoraSpec
 
@@ -156,30 +157,45 @@ def _strip_lora(model: nn.Module, merge: bool) -> None:
 def check_adapter(model: nn.Module, directory: Path) -> None:
     """Refuse, in one line, an adapter that is not PEFT's or that was trained on another model: every
     LoRA weight must sit on a linear layer of `model` of matching shape."""
-    from safetensors import safe_open
+    config, shapes = read_adapter(directory)
+    base = config.get("base_model_name_or_path")
+    made_for = f" (it was made for {base})" if base else ""
+    modules = dict(model.named_modules())
+    for key, shape in shapes.items():
+        name, _, part = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+        if part not in ("A.weight", "B.weight"):
+            continue
+        layer = modules.get(name)
+        if not isinstance(layer, nn.Linear):
+            problem = f"this model has no linear layer {name}"
+        elif (part == "A.weight" and shape[1] != layer.in_features) or (
+                part == "B.weight" and shape[0] != layer.out_features):
+            problem = f"its {key} of shape {tuple(shape)} does not fit {name} {tuple(layer.weight.shape)}"
+        else:
+            continue
+        raise TrainError(f"the adapter {directory} does not fit this model{made_for}: {problem}; "
+                         "pass the adapter trained on this checkpoint")
+
+
+def read_adapter(directory: Path) -> tuple[dict, dict[str, list[int]]]:
+    """(adapter_config.json, {weight name: shape}) of the PEFT adapter in `directory`; a missing, damaged or
+    truncated file is refused in one line (TrainError) before any model needs to load."""
+    from safetensors import SafetensorError, safe_open
 
     config, weights = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not config.is_file() or not weights.is_file():
         raise TrainError(f"{directory} is not a PEFT adapter (it needs adapter_config.json and "
                          "adapter_model.safetensors): pass the adapter/ folder a `merge: false` LoRA run saved")
-    base = json.loads(config.read_text()).get("base_model_name_or_path")
-    made_for = f" (it was made for {base})" if base else ""
-    modules = dict(model.named_modules())
-    with safe_open(weights, framework="pt") as f:
-        for key in f.keys():
-            name, _, part = key.removeprefix(PEFT_PREFIX).partition(".lora_")
-            if part not in ("A.weight", "B.weight"):
-                continue
-            layer, shape = modules.get(name), f.get_slice(key).get_shape()
-            if not isinstance(layer, nn.Linear):
-                problem = f"this model has no linear layer {name}"
-            elif (part == "A.weight" and shape[1] != layer.in_features) or (
-                    part == "B.weight" and shape[0] != layer.out_features):
-                problem = f"its {key} of shape {tuple(shape)} does not fit {name} {tuple(layer.weight.shape)}"
-            else:
-                continue
-            raise TrainError(f"the adapter {directory} does not fit this model{made_for}: {problem}; "
-                             "pass the adapter trained on this checkpoint")
+    try:
+        settings = read_json(config)
+        with safe_open(weights, framework="pt") as f:
+            shapes = {key: f.get_slice(key).get_shape() for key in f.keys()}
+    except ValueError as exc:
+        raise TrainError(f"the adapter {directory}: {exc}") from None
+    except (SafetensorError, OSError) as exc:
+        raise TrainError(f"the adapter {directory}: {weights.name} cannot be read ({one_line(exc)}): the file is "
+                         "damaged or cut short; save or copy the adapter again") from None
+    return settings, shapes
 
 
 def check_base(model: nn.Module, directory: Path) -> None:

@@ -16,6 +16,7 @@ from typing import Literal
 
 import yaml
 
+from ..locations import one_line
 from .errors import RecipeError
 from .yaml_lines import Located, LocatedList, load
 
@@ -364,10 +365,18 @@ def _check(recipe: Recipe, raw, ctx: _Ctx) -> None:
                 where,
                 "a LoRA stage must be the last stage (its adapter is merged or saved at the end)",
             )
-    checks = {"gradient_accumulation": 1, "keep_checkpoints": 1, "checkpoint_every": 0}
+    checks = {"gradient_accumulation": 1, "keep_checkpoints": 1, "checkpoint_every": 0, "seed": 0}
     for key, low in checks.items():
         if getattr(recipe, key) < low:
-            raise ctx.fail(key, _line(raw, key), f"must be ≥ {low}")
+            raise ctx.fail(key, _line(raw, key), f"must be ≥ {low}; got {getattr(recipe, key)}")
+    if recipe.push_to_hub is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(recipe.push_to_hub.repo_id)
+        except HFValidationError as exc:
+            raise ctx.fail("push_to_hub.repo_id", _line(raw, "push_to_hub", "repo_id"),
+                           f"not a Hub repo id ({one_line(exc)}); give one like you/model-mhla") from None
     for i, tracker in enumerate(recipe.logging.trackers):
         if tracker not in TRACKERS:
             raise ctx.fail(
@@ -456,6 +465,9 @@ def _check_optimizer(recipe: Recipe, raw, ctx: _Ctx) -> None:
     if recipe.schedule.warmup_steps < 0:
         raise fail("schedule.warmup_steps", ("schedule", "warmup_steps"),
                    f"must be ≥ 0 (0 for no warmup); got {recipe.schedule.warmup_steps}")
+    if recipe.objective.num_train_timesteps < 1:
+        raise fail("objective.num_train_timesteps", ("objective", "num_train_timesteps"),
+                   f"must be ≥ 1 (e.g. 1000, the schedule's length); got {recipe.objective.num_train_timesteps}")
     shift = recipe.objective.flow_shift
     if shift is not None and not (shift > 0 and math.isfinite(shift)):
         raise fail("objective.flow_shift", ("objective", "flow_shift"),

@@ -15,12 +15,12 @@ import torch
 
 from ..families import adapter_for_family
 from ..finite import watch_outputs
-from ..io import local_checkpoint, resolve_saved, write_file_atomically
+from ..io import check_writable, local_checkpoint, resolve_saved, write_file_atomically
 from ..locations import components_of
 from ..ops.blocks import whole_number
 from ..placement import check_device
 from .errors import TrainError
-from .lora import load_adapter
+from .lora import load_adapter, read_adapter
 
 DEFAULT_PROMPT = "a photo of a cat"
 SUFFIXES = {"image": (".png", ".jpg", ".jpeg", ".webp"), "video": (".mp4",), "text": (".txt",)}
@@ -71,9 +71,17 @@ def _positive(**values) -> None:
 
 
 def check_sample_options(adapter, skeleton, out: Path, *, prompt, class_label, steps, guidance_scale, height, width,
-                         num_frames, max_new_tokens, device) -> None:
+                         num_frames, max_new_tokens, device, seed: int = 0) -> None:
     """Refuse sampling options the checkpoint cannot honour (one-line TrainError), before it loads."""
     _positive(steps=steps, height=height, width=width, num_frames=num_frames, max_new_tokens=max_new_tokens)
+    if whole_number(seed) is None or seed < 0:
+        raise TrainError(f"--seed must be a whole number ≥ 0; got {seed!r}")
+    if prompt is not None and not prompt.strip():
+        raise TrainError(f"--prompt is empty: give some text, or leave --prompt out for {DEFAULT_PROMPT!r}")
+    try:
+        check_writable(out)
+    except ValueError as exc:
+        raise TrainError(f"--out: {exc}") from None
     if guidance_scale is not None and not (guidance_scale >= 0 and math.isfinite(guidance_scale)):
         raise TrainError(f"--guidance-scale must be a finite number ≥ 0; got {guidance_scale}")
     try:
@@ -113,9 +121,11 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
     adapter, skeleton = _skeleton(_checkpoint_files(checkpoint, subfolder))
     check_sample_options(adapter, skeleton, out, prompt=prompt, class_label=class_label, steps=steps,
                          guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames,
-                         max_new_tokens=max_new_tokens, device=device)
+                         max_new_tokens=max_new_tokens, device=device, seed=seed)
     first_frame = _first_frame(image, i2v=adapter.takes_first_frame(skeleton))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if lora_adapter is not None:
+        read_adapter(Path(resolve_saved(lora_adapter)))  # a damaged adapter is refused before the model loads
     model = _load(checkpoint, subfolder, device)
     if lora_adapter is not None:
         model = load_adapter(model, resolve_saved(lora_adapter), force=force)
@@ -133,12 +143,19 @@ def sample(checkpoint, prompt: str | None, out, *, class_label: int | None = Non
         with_adapter = f" with the adapter {lora_adapter}" if lora_adapter is not None else ""
         raise TrainError(f"{checkpoint}{with_adapter} gives inf/NaN outputs, so there is no sample to write: the "
                          "model has diverged; sample an earlier checkpoint, or train again with a lower learning rate")
-    if adapter.sample_kind == "text":
+    try:
+        return _write(adapter.sample_kind, result, out)
+    except OSError as exc:  # a full disk, a quota, a folder gone meanwhile
+        raise TrainError(f"cannot write {out}: {exc.strerror or exc}; free space there or give another --out") from None
+
+
+def _write(kind: str, result, out: Path) -> Path:
+    if kind == "text":
         out = write_file_atomically(out if out.suffix else out.with_suffix(".txt"), lambda path: path.write_text(
             result + "\n"))
         print(result)
         return out
-    if adapter.sample_kind == "video":
+    if kind == "video":
         return _write_video(result, out)
     return write_file_atomically(out if out.suffix else out.with_suffix(".png"), result.save)
 

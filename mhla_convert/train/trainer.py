@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..convert import PLAN_ATTR
 from ..finite import watch_outputs
+from ..io import check_writable
 from ..locations import components_of
 from ..mixing import clamp_mixing_
 from . import checkpoints
@@ -161,6 +162,12 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.recipe, self.out, self.log = recipe, Path(out), log
+        if self.out.is_file():
+            raise TrainError(f"--out {self.out} is a file; give a directory for the run (new, or one to resume)")
+        try:
+            check_writable(self.out)
+        except ValueError as exc:
+            raise TrainError(f"--out: {exc}") from None
         trackers = list(recipe.logging.trackers)
         self.accelerator = Accelerator(
             gradient_accumulation_steps=recipe.gradient_accumulation,
