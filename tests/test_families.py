@@ -129,6 +129,9 @@ def test_pipeline_of_experts_converts_together_reloads_samples_and_refuses_one_e
     pipe.save_pretrained(tmp_path / "base")  # the unconverted pipeline, as a hub pipeline folder holds it
     boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
     calibration = _expert_inputs(pipe.transformer, (999, 1, int(boundary), int(boundary) - 1))
+    with pytest.raises(ValueError, match="no calibration example falls in transformer_2's noise range"):
+        mhla_convert.convert(pipe, ratio=0.5, strategy="auto", calibration=calibration[:1], progress=False)
+    assert not mhla_convert.mhla_layers(pipe.transformer)  # refused before any change
     report = mhla_convert.convert(pipe, ratio=0.5, strategy="auto", calibration=calibration, progress=False)
     experts = {expert: getattr(pipe, expert) for expert in EXPERTS}
     plans = [model.mhla_plan for model in experts.values()]
