@@ -15,6 +15,7 @@ GRIDS = {
     "tiny-sana": (7, 9),
     "tiny-wan": (5, 6, 7),
     "tiny-wan-i2v": (3, 4, 5),
+    "tiny-wan2.2-ti2v": (3, 4, 5),
     "tiny-dit": (6, 6),
     "tiny-pixart": (7, 9),
 }
