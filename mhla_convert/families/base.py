@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..layer import MHLAConfig
-
-if TYPE_CHECKING:
-    from ..train.objectives import Objective
-    from ..train.recipe import DataSpec, ObjectiveSpec
+from ..specs import DataSpec, Objective, ObjectiveSpec
 
 _REGISTRY: dict[str, type["FamilyAdapter"]] = {}
 

@@ -17,18 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Protocol
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .recipe import ObjectiveSpec
-
-
-class Objective(Protocol):
-    def loss(self, model: nn.Module, batch: dict, generator: torch.Generator) -> torch.Tensor: ...
-
+from ..specs import ObjectiveSpec
 
 # call(model, noisy latents, timesteps, batch) → the model's prediction (B, C', ...)
 DenoiserCall = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict], torch.Tensor]

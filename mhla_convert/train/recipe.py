@@ -17,6 +17,7 @@ from typing import Literal
 import yaml
 
 from ..locations import one_line
+from ..specs import DataSpec, ObjectiveSpec
 from .errors import RecipeError
 from .yaml_lines import Located, LocatedList, load
 
@@ -42,31 +43,6 @@ class ConversionSpec:
     attention: Literal["mhla", "linear", "local"] = "mhla"
     calibration_batches: int = 4  # batches of the recipe's data that score the layers (auto) and fit far weights
     options: dict = field(default_factory=dict)  # MHLAConfig fields
-
-
-@dataclass
-class DataSpec:
-    """Where training examples come from; every kind ends as cached tensors (see data.py)."""
-
-    kind: Literal["synthetic", "folder", "latents", "text"] = "synthetic"
-    path: str | None = None
-    batch_size: int = 1  # per process
-    num_workers: int = 0
-    num_samples: int = 64  # synthetic
-    latent_size: list[int] | None = None  # synthetic: latent (H, W); default: the model's sample size
-    latent_frames: int = 2  # synthetic video latents
-    height: int = 256  # folder: pixels
-    width: int = 256
-    num_frames: int = 17  # folder videos
-    caption_column: str = "text"
-    label_column: str = "label"
-    max_text_length: int = 300
-    encode_batch_size: int = 4
-    cache_dir: str | None = None  # default: <path>/.mhla_cache
-    components: str | None = None  # VAE / text encoder source; default: the base model
-    text_column: str = "text"
-    text_format: Literal["auto", "json", "text", "parquet"] = "auto"
-    context_length: int = 128
 
 
 @dataclass
@@ -121,16 +97,6 @@ class OptimizerSpec:
 class ScheduleSpec:
     name: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0  # per stage, capped at the stage's steps
-
-
-@dataclass
-class ObjectiveSpec:
-    flow_shift: float | None = None  # SANA / Wan; default: the family's (3.0)
-    num_train_timesteps: int = 1000
-    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
-    # finetune stages: loss = (1 − distill) · the task loss + distill · the loss of matching the original
-    # (unconverted) model's outputs (objectives.Distillation); 0: the plain objective, 1: pure distillation
-    distill: float = 0.0
 
 
 @dataclass
