@@ -7,18 +7,24 @@ which only data tells. So, given calibration batches, each layer in turn (the on
 fitted, so it sees the inputs it will get) tries every far weight in `CANDIDATES` on the inputs its original gets
 and keeps the one whose output is closest to the original's (mean squared error). 0 is a candidate, so no layer
 starts further from its original than the cut attention does on that data.
+
+Also what conversion and layer scoring (sensitivity.py) share about calibration batches: checking them
+(`check_calibration`) and the inputs a layer gets on one (`inputs_of`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from .finite import main_output
 from .layer import MHLAttention
-from .sensitivity import inputs_of
+from .plan import AUTO_NEEDS_CALIBRATION
 
 CANDIDATES = (0.0, *(2.0**e for e in range(-6, 7)))  # 0, 1/64 … 64 (above 1 the region's weight drops below 1)
+EMPTY_CALIBRATION = "calibration is empty: give at least one batch of model inputs (a dict for model(**batch))"
 
 
 def fits_far_weight(config, attention: str) -> bool:
@@ -59,3 +65,40 @@ def original_calls(model: nn.Module, original: nn.Module, batches: list[dict]):
         return calls, [main_output(original(*args, **kwargs)) for args, kwargs in calls]
     finally:
         model.train(training)
+
+
+def check_calibration(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    if calibration is None:
+        raise ValueError(AUTO_NEEDS_CALIBRATION)
+    batches = list(calibration)
+    if not batches:
+        raise ValueError(EMPTY_CALIBRATION)
+    bad = [i for i, b in enumerate(batches) if not isinstance(b, dict)]
+    if bad:
+        raise ValueError(f"calibration batches {bad} are not dicts: each batch is the keyword inputs of model(**batch)")
+    return batches
+
+
+class _Reached(Exception):
+    pass
+
+
+def inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
+    """The args and kwargs `layer` gets when `model` runs `batch`; the forward stops there."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen["call"] = args, kwargs
+        raise _Reached
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(**batch)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    args, kwargs = seen["call"]
+    # a generation cache belongs to the forward that made it; the fit calls the layers outside it
+    # (transformers ≥ 5.24 passes it as `cache`, earlier releases as `past_key_values`)
+    return args, {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}

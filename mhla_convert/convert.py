@@ -9,13 +9,13 @@ from typing import Any, Iterable
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibrate import fit_far_weight, fits_far_weight, original_calls
+from .calibrate import check_calibration, fit_far_weight, fits_far_weight, original_calls
 from .families import adapter_for_model
 from .layer import MHLAConfig
 from .ops.blocks import whole_number
 from .options import check_options, parse_blocks, resolve_config
 from .plan import AUTO_NEEDS_CALIBRATION, plan_layers
-from .sensitivity import check_calibration, layer_sensitivity
+from .sensitivity import layer_sensitivity
 
 __all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
 

@@ -111,11 +111,11 @@ def convert_pipeline(pipe, *, ratio: float = 1.0, strategy: str = "spread", laye
                      **mhla_options) -> PipelineReport:
     """Convert every expert of `pipe` (a diffusers pipeline, or `Experts`) with one plan (module docstring);
     options as `convert`'s."""
-    from .calibrate import fits_far_weight
+    from .calibrate import check_calibration, fits_far_weight
     from .convert import PLAN_ATTR, UNUSED_CALIBRATION, check_conversion, convert
     from .families import adapter_for_model
     from .plan import AUTO_NEEDS_CALIBRATION, plan_layers
-    from .sensitivity import check_calibration, layer_sensitivity
+    from .sensitivity import layer_sensitivity
 
     experts = pipe if isinstance(pipe, Experts) else Experts.of_pipeline(pipe)
     options = dict(blocks=blocks, attention=attention, **mhla_options)

@@ -28,15 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .calibrate import check_calibration, inputs_of
 from .families import adapter_for_model
 from .finite import main_output
 from .layer import MHLAConfig, MHLAttention
 from .mixing import clamp_mixing_
-from .plan import AUTO_NEEDS_CALIBRATION
 
 FIT_LR = 1e-3
 FIT_PARAMETERS = ("mixing", "to_q", "to_k", "out_norm")  # the new parameters and the q/k projections
-EMPTY_CALIBRATION = "calibration is empty: give at least one batch of model inputs (a dict for model(**batch))"
 
 
 def output_change(reference: torch.Tensor, output: torch.Tensor, *, causal: bool, attention_mask=None) -> float:
@@ -60,31 +59,6 @@ def _slot(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str]:
     raise ValueError(f"{type(module).__name__} is not a submodule of the model")
 
 
-class _Reached(Exception):
-    pass
-
-
-def inputs_of(model: nn.Module, layer: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
-    """The args and kwargs `layer` gets when `model` runs `batch`; the forward stops there."""
-    seen = {}
-
-    def hook(module, args, kwargs):
-        seen["call"] = args, kwargs
-        raise _Reached
-
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        model(**batch)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    args, kwargs = seen["call"]
-    # a generation cache belongs to the forward that made it; the fit calls the layers outside it
-    # (transformers ≥ 5.24 passes it as `cache`, earlier releases as `past_key_values`)
-    return args, {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
-
-
 def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps: int, lr: float) -> None:
     """`steps` Adam steps on `layer`'s FIT_PARAMETERS towards `original`'s output on the same inputs."""
     fitted = tuple(f"{layer.submodule_name(name)}." for name in FIT_PARAMETERS if name != "mixing")
@@ -100,18 +74,6 @@ def _fit(model: nn.Module, layer: nn.Module, original: nn.Module, batches, steps
             loss.backward()
         optimizer.step()
         clamp_mixing_(layer)
-
-
-def check_calibration(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    if calibration is None:
-        raise ValueError(AUTO_NEEDS_CALIBRATION)
-    batches = list(calibration)
-    if not batches:
-        raise ValueError(EMPTY_CALIBRATION)
-    bad = [i for i, b in enumerate(batches) if not isinstance(b, dict)]
-    if bad:
-        raise ValueError(f"calibration batches {bad} are not dicts: each batch is the keyword inputs of model(**batch)")
-    return batches
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ from mhla_convert.families import adapter_for_model
 from mhla_convert.options import resolve_config
 from mhla_convert.sensitivity import layer_sensitivity
 
-CONVERT = sys.modules["mhla_convert.convert"]  # the module (the package's `convert` is the function)
+CONVERT = importlib.import_module("mhla_convert.convert")  # the module (the package's `convert` is the function)
 LM_OPTIONS = {"chunk_size": 8}  # several chunks in a 40-token calibration sequence
 
 
