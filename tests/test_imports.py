@@ -1,10 +1,16 @@
 """No import cycle among mhla_convert's modules: what each module imports as it loads (module level, not inside
 functions nor under `if TYPE_CHECKING:`), read from the source with `ast`, forms no circle. A package's
-`__init__` importing its submodules counts like any other module's imports."""
+`__init__` importing its submodules counts like any other module's imports. The kernels, which import the
+operators to register, load only once the dispatch first needs them."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 PACKAGE = "mhla_convert"
@@ -129,3 +135,22 @@ def test_no_import_cycle():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     cycles = _cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_kernels_load_on_first_use_and_register_through_the_dispatch():
+    """The kernels import `ops.dispatch` to register; the dispatch imports them only when a backend is first asked
+    for, so importing the operators and the layer loads no kernel."""
+    code = textwrap.dedent("""
+        import json, sys
+        import mhla_convert.layer, mhla_convert.ops
+        before = "mhla_convert.kernels" in sys.modules
+        from mhla_convert.ops.dispatch import available_backends
+        backends = available_backends()
+        print("RESULT", json.dumps([before, "mhla_convert.kernels" in sys.modules, backends]))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=600,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0 and "RESULT" in result.stdout, result.stdout + result.stderr
+    before, after, backends = json.loads(result.stdout.split("RESULT", 1)[1])
+    assert not before
+    assert after == ("triton" in backends) == (importlib.util.find_spec("triton") is not None)
