@@ -273,18 +273,17 @@ def _push(directory: Path, repo_id: str, private: bool, **options) -> None:
 @app.command("list")
 def list_command() -> None:
     """Show the model aliases, built-in tiny models and supported families."""
-    from .families import families
-    from .models import aliases, tiny_models
+    from .catalog import ALIASES, FAMILIES, TINY_MODELS
 
-    rows = [(alias, family, hub_id) for alias, (family, hub_id) in aliases().items()]
-    rows += [(name, family, "built in, random weights") for name, (family, _) in tiny_models().items()]
+    rows = [(alias, family, hub_id) for alias, (family, hub_id) in ALIASES.items()]
+    rows += [(name, family, f"built in, random weights: {what}") for name, (family, what) in TINY_MODELS.items()]
     width = [max(len(r[c]) for r in rows) for c in range(2)]
     typer.echo("aliases:")
     for alias, family, where in rows:
         typer.echo(f"  {alias.ljust(width[0])}  {family.ljust(width[1])}  {where}")
     typer.echo("families:")
-    for name, cls in sorted(families().items()):
-        typer.echo(f"  {name.ljust(width[1])}  {cls.library}: {', '.join(cls.model_classes)}")
+    for name, (library, classes) in FAMILIES.items():
+        typer.echo(f"  {name.ljust(width[1])}  {library}: {', '.join(classes)}")
 
 
 @app.command("push")

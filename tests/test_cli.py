@@ -72,6 +72,21 @@ def test_list_shows_aliases_tiny_models_and_families():
         assert word in result.output
 
 
+def test_the_list_tables_match_the_family_adapters():
+    """`list` reads catalog.py's tables (no torch); loading reads the adapters: the two say the same."""
+    from mhla_convert.catalog import ALIASES, FAMILIES, TINY_MODELS
+    from mhla_convert.families import families
+    from mhla_convert.models import aliases, tiny_models
+
+    assert list(ALIASES.items()) == list(aliases().items())
+    assert FAMILIES == {name: (cls.library, cls.model_classes) for name, cls in sorted(families().items())}
+    tiny = tiny_models()
+    assert [(name, family) for name, (family, _) in TINY_MODELS.items()] == [(n, f) for n, (f, _) in tiny.items()]
+    for name, (family, what) in TINY_MODELS.items():  # each described as the class it builds
+        built = tiny[name][1].get("architectures") or FAMILIES[family][1]
+        assert what.split(", ")[0] == built[0] and len(built) == 1, (name, what, built)
+
+
 def test_version_is_the_installed_package_version():
     from importlib.metadata import version
 

@@ -28,20 +28,22 @@ def _run(code: str, tmp_path: Path) -> dict:
     return json.loads(result.stdout.split("RESULT", 1)[1])
 
 
-def test_importing_the_package_and_the_cli_help_load_no_library(tmp_path):
+def test_importing_the_package_and_the_cli_help_and_list_load_no_library(tmp_path):
     loaded = _run(f"""
         import json, sys
         import mhla_convert
-        after_import = [m for m in {HEAVY!r} if m in sys.modules]
+        loaded = [[m for m in {HEAVY!r} if m in sys.modules]]
         from mhla_convert.cli import main
-        sys.argv = ["mhla-convert", "--help"]
-        try:
-            main()
-        except SystemExit:
-            pass
-        print("RESULT", json.dumps([after_import, [m for m in {HEAVY!r} if m in sys.modules]]))
+        for command in ("--help", "list"):
+            sys.argv = ["mhla-convert", command]
+            try:
+                main()
+            except SystemExit as done:
+                assert not done.code, (command, done.code)
+            loaded.append([m for m in {HEAVY!r} if m in sys.modules])
+        print("RESULT", json.dumps(loaded))
     """, tmp_path)
-    assert loaded == [[], []]
+    assert loaded == [[], [], []]
 
 
 def test_every_loader_finds_the_converted_classes_in_a_fresh_process(tiny, tmp_path):
