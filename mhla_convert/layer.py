@@ -22,18 +22,9 @@ from .mixing import (
     relative_causal_mixing,
     toeplitz_causal_mixing,
 )
-from .ops import (
-    ExactLocalState,
-    MHLAState,
-    exact_local_step,
-    init_exact_state,
-    init_state,
-    mhla_attention,
-    mhla_recurrent_step,
-)
+from .ops import DecodeState, mhla_attention
 from .ops.blocks import as_axes, whole_number
 from .ops.exact_blocks import exact_mask, exact_radius_axes
-from .ops.feature_maps import drop_keys
 from .ops.mhla import check_options
 
 # (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
@@ -255,35 +246,38 @@ class MHLAttention(nn.Module):
             **self._op_options()
         )
 
-    def decode(
-        self, q, k, v, state: MHLAState | ExactLocalState | None, key_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, MHLAState | ExactLocalState]:
-        """Causal attention that continues `state` (None: a fresh sequence) → output, new state.
+    def attend_real(self, q, k, v, real: torch.Tensor | None):
+        """The causal parallel form over each row's real tokens alone (`real` (B, N) bool, None: all): padding
+        anywhere in a row (left padding in batched generation) moves behind them, so chunk boundaries count real
+        tokens only and a padded row gives what it gives unpadded. → output in the input order, and k, v
+        (B, N, H_kv, ·) packed as attended, with each row's number of real tokens."""
+        if real is None:
+            return self.attend(q, k, v), k, v, torch.full(q.shape[:1], q.shape[1], device=q.device)
+        order = torch.argsort((~real).to(torch.int32), dim=1, stable=True)  # real tokens first, in order
 
-        A fresh multi-token input runs the parallel form once and builds the state from it
-        (prefill); tokens after that go through the recurrent step, one at a time. `key_mask`
-        (B, N) bool, False for padding (left padding of a prefill).
+        def packed(t):
+            return t.gather(1, order[:, :, None, None].expand_as(t))
+
+        k, v = packed(k), packed(v)
+        out = self.attend(packed(q), k, v)
+        out = torch.empty_like(out).scatter_(1, order[:, :, None, None].expand_as(out), out)
+        return out, k, v, real.sum(1)
+
+    def decode(self, q, k, v, state: DecodeState | None,
+               key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
+        """Causal attention that continues `state` (None: a fresh sequence) → output, the state.
+
+        A fresh input runs the parallel form over each row's real tokens (`attend_real`; `key_mask` (B, N) bool,
+        False for padding, such as a prompt's left padding) and starts a `DecodeState` (ops.recurrent) from them;
+        later tokens each take one recurrent step, which updates `state` in place.
         """
         cfg = self.config
         if not cfg.causal:
             raise ValueError("decode() is for causal MHLA layers")
-        layout = dict(chunk_size=cfg.chunk_size, window=cfg.window, feature_map=cfg.feature_map)
-        if state is None or state.position == 0:
-            out = self.attend(q, k, v, key_mask=key_mask)
-            if cfg.exact_chunks:
-                return out, init_exact_state(k, v, exact_chunks=cfg.exact_chunks, key_mask=key_mask, **layout)
-            return out, init_state(drop_keys(k, key_mask), v, **layout)
-        outs = []
-        for t in range(q.shape[1]):
-            real = None if key_mask is None else key_mask[:, t : t + 1]
-            token = q[:, t : t + 1], drop_keys(k[:, t : t + 1], real), v[:, t : t + 1]
-            if cfg.exact_chunks:
-                o, state = exact_local_step(state, *token, self.mixing, feature_map=cfg.feature_map, scale=cfg.scale,
-                                            eps=cfg.eps, key_mask=real)
-            else:
-                o, state = mhla_recurrent_step(state, *token, self.mixing, backend=cfg.backend, **self._op_options())
-            outs.append(o)
-        return torch.cat(outs, dim=1), state
+        if state is None:
+            out, k, v, lengths = self.attend_real(q, k, v, key_mask)
+            return out, DecodeState.from_prompt(k, v, lengths, cfg)
+        return state.steps(q, k, v, key_mask, self.mixing, cfg), state
 
     def forward(self, x: torch.Tensor, grid=None, rotary: Rotary | None = None) -> torch.Tensor:
         """x (B, N, C) → (B, N, out_dim). `grid`: the token grid (non-causal); `rotary`: a

@@ -12,9 +12,9 @@ import pytest
 import torch
 from triton_marks import CUDA, DEVICE, gpu, run
 
-from mhla_convert.families.lm_state import DecodeState
 from mhla_convert.kernels import decode_triton
 from mhla_convert.ops.dispatch import select
+from mhla_convert.ops.recurrent import DecodeState
 
 pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 

@@ -20,17 +20,14 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
 
-from mhla_convert.kernels import mhla_recurrent_step_triton, mhla_triton, settings  # noqa: E402
+from mhla_convert.kernels import mhla_triton, settings  # noqa: E402
 from mhla_convert.ops import (  # noqa: E402
     BlockLayout,
-    init_state,
     mhla_attention,
     mhla_attention_reference,
-    mhla_recurrent_step,
 )
 from mhla_convert.ops.dispatch import select  # noqa: E402
 from mhla_convert.ops.feature_maps import resolve_feature_map  # noqa: E402
-from mhla_convert.ops.recurrent import step_torch  # noqa: E402
 
 # The interpreter must be on before anything imports triton.language (diffusers, torch._inductor, …):
 # otherwise Triton's own helpers stay compiled-only. When this process was too late, the
@@ -680,110 +677,6 @@ def test_cuda_auto_uses_triton():
                                  phi=resolve_feature_map("relu"))
     assert pick(torch.rand(2, 2, device="cuda")) is mhla_triton.mhla_attention_triton
     assert pick(torch.rand(2, 2)) is None  # (mixing on the CPU: the torch path, which names the device mismatch)
-
-
-# --- the recurrent decoding step -------------------------------------------------------------------
-# (window, prefix, tokens, chunk, H, H_kv, D, Dv, per-head mixing, normalize, feature map): every
-# sequence crosses several chunk boundaries; window 5 keeps 3 closed chunks, then fills the far sum
-STEP_CASES = {
-    "w1-gqa-shared-relu": (1, 0, 11, 3, 4, 2, 16, 16, False, True, "relu"),
-    "w2-per-head-elu-unnorm": (2, 4, 10, 3, 2, 2, 16, 24, True, False, "elu"),
-    "w5-gqa-per-head-relu-prefix": (5, 5, 16, 3, 6, 2, 32, 16, True, True, "relu"),
-    "w5-mqa-shared-elu": (5, 0, 15, 2, 4, 1, 16, 32, False, True, "elu"),
-}
-
-
-def _step_compare(case, dtype, device, tol, batch=2):
-    window, prefix, tokens, chunk, heads, kv_heads, dim, dv, per_head, normalize, fmap = case
-    torch.manual_seed(0)
-    n = prefix + tokens
-    q = torch.randn(batch, n, heads, dim, device=device).to(dtype)
-    k = torch.randn(batch, n, kv_heads, dim, device=device).to(dtype)
-    v = torch.randn(batch, n, kv_heads, dv, device=device).to(dtype)
-    relative = torch.rand(*((heads,) if per_head else ()), window, device=device) + 0.1
-    opts = dict(feature_map=fmap, normalize=normalize)
-    state = {
-        b: init_state(k[:, :prefix], v[:, :prefix], chunk_size=chunk, window=window, feature_map=fmap)
-        for b in ("torch", "triton")
-    }
-    for t in range(prefix, n):
-        step = [x[:, t : t + 1] for x in (q, k, v)]
-        want, state["torch"] = mhla_recurrent_step(
-            state["torch"], *[x.float() for x in step], relative, backend="torch", **opts
-        )
-        prev = state["triton"]
-        old = prev.map(torch.clone)
-        got, state["triton"] = mhla_recurrent_step(prev, *step, relative, backend="triton", **opts)
-        assert all(torch.equal(getattr(prev, f), getattr(old, f)) for f in ("cur_s", "cur_z", "recent_s", "far_s")), \
-            "the step changed the state passed in"
-        assert got.dtype == dtype and got.shape == (batch, 1, heads, dv)
-        assert torch.isfinite(got).all(), f"token {t}: non-finite output (an unwritten element?)"
-        err = ((got.float() - want).norm() / want.norm()).item()
-        if dtype != torch.float32:  # at most twice the torch step's own error in this dtype (tol: a floor)
-            own, _ = mhla_recurrent_step(old, *step, relative, backend="torch", **opts)
-            tol_t = max(tol, 2 * ((own.float() - want).norm() / want.norm()).item())
-        else:
-            tol_t = tol
-        assert err < tol_t, f"token {t}: output relative error {err:.2e} ≥ {tol_t:.1e}"
-        a, b = state["triton"], state["torch"]
-        assert a.position == b.position and a.recent_s.shape == b.recent_s.shape
-        for f in ("cur_s", "cur_z", "recent_s", "recent_z", "far_s", "far_z"):
-            x, y = getattr(a, f), getattr(b, f)
-            if y.numel():
-                tol_s = 1e-5 if dtype == torch.float32 else 1e-2
-                assert ((x - y).norm() / y.norm().clamp_min(1e-30)) < tol_s, f"token {t}: state {f} differs"
-    assert state["triton"].far_s.abs().sum() > 0 or window <= 2 or n // chunk <= window - 2
-
-
-@interp
-@pytest.mark.parametrize("name", STEP_CASES)
-def test_interpreter_recurrent_step_matches_torch(name):
-    _step_compare(STEP_CASES[name], torch.float32, "cpu", 1e-5)
-
-
-@interp
-def test_interpreter_recurrent_step_split_programs(monkeypatch):
-    """Query heads and value columns split over programs (masked tails of both)."""
-    _settings(monkeypatch, step_elements=256, step_max_group=2)
-    _step_compare((5, 5, 16, 3, 6, 2, 32, 20, True, True, "relu"), torch.float32, "cpu", 1e-5)
-
-
-def test_step_dispatch_falls_back_to_torch():
-    q = torch.randn(1, 1, 2, 16)
-    state = init_state(q[:, :0], q[:, :0], chunk_size=4, window=3)
-    relu = resolve_feature_map("relu")
-    assert select("step", "auto", step_torch, state, q, q, q, torch.rand(3), phi=relu) is step_torch
-    assert select("step", "torch", step_torch, state, q, q, q, torch.rand(3), phi=relu) is step_torch
-    with pytest.raises(ValueError, match="backend must be one of"):
-        mhla_recurrent_step(state, q, q, q, torch.rand(3), backend="nope")
-    with pytest.raises(ValueError, match="triton backend does not take"):
-        mhla_recurrent_step(state, q, q, q, torch.rand(3), feature_map=torch.sigmoid, backend="triton")
-
-
-STEP_FAMILY_CASES = {
-    "llama-1b-d64-w8": (8, 70, 40, 16, 32, 8, 64, 64, False, True, "relu"),
-    "d128-per-head-elu": (4, 0, 40, 8, 8, 2, 128, 128, True, True, "elu"),
-    "d32-unnorm-mqa": (3, 9, 30, 8, 8, 1, 32, 32, True, False, "relu"),
-}
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", list(TOL), ids=str)
-@pytest.mark.parametrize("name", list(STEP_CASES) + list(STEP_FAMILY_CASES))
-def test_cuda_recurrent_step_matches_torch(name, dtype):
-    _step_compare({**STEP_CASES, **STEP_FAMILY_CASES}[name], dtype, "cuda", TOL[dtype])
-
-
-@pytest.mark.gpu
-@gpu
-def test_cuda_auto_step_uses_triton():
-    q = torch.randn(1, 1, 2, 16, device="cuda", dtype=torch.bfloat16)
-    state = init_state(q[:, :0], q[:, :0], chunk_size=4, window=3)
-    impl = select(
-        "step", "auto", step_torch, state, q, q, q, torch.rand(3, device="cuda"), phi=resolve_feature_map("relu")
-    )
-    assert impl is mhla_recurrent_step_triton
 
 
 # --- the q/k norm + interleaved rotary op (Wan) ----------------------------------------------------

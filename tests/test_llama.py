@@ -12,8 +12,9 @@ from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_config, adapter_for_family, adapter_for_model, families
 from mhla_convert.families.llama import MHLALlamaAttention
 from mhla_convert.families.lm_cache import MHLACacheLayer, MHLAStaticLayer
+from mhla_convert.layer import MHLAConfig
 from mhla_convert.mixing import toeplitz_causal_mixing
-from mhla_convert.ops import MHLAState, init_state, mhla_attention_reference
+from mhla_convert.ops import DecodeState, mhla_attention_reference
 from mhla_convert.ops.rotary import HalfSplitRotary
 from mhla_convert.registration import CAUSAL_LMS
 
@@ -190,11 +191,12 @@ def test_cache_refuses_what_a_state_cannot_do():
 
 
 def test_state_size_formula():
-    """W·B·H_kv·D·(D_v + 1) float32 values, whatever the length: the open chunk, W − 2 recent
-    chunks and one running sum of older ones (ops/recurrent.py's docstring says W + 1)."""
+    """A decoding state's summaries are W·B·H_kv·D·(D_v + 1) float32 values, whatever the length: the open chunk,
+    W − 2 recent chunks and one running sum of older ones (ops/recurrent.py's docstring)."""
     k, v = torch.randn(2, 300, 8, 16), torch.randn(2, 300, 8, 16)
-    state = init_state(k, v, chunk_size=C, window=8)
-    assert isinstance(state, MHLAState) and state.nbytes() == 8 * 2 * 8 * 16 * 17 * 4
+    state = DecodeState.from_prompt(k, v, torch.full((2,), 300), MHLAConfig(causal=True, chunk_size=C, window=8))
+    summaries = (state.cur_s, state.cur_z, state.recent_s, state.recent_z, state.far_s, state.far_z)
+    assert sum(t.nbytes for t in summaries) == 8 * 2 * 8 * 16 * 17 * 4
 
 
 def test_adapter_builds_and_detects():

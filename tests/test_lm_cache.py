@@ -12,7 +12,7 @@ from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_family
 from mhla_convert.families.llama import MHLALlamaAttention, _real_tokens
 from mhla_convert.families.lm_cache import MHLACacheLayer, MHLAStaticLayer, MHLAStaticSlidingLayer
-from mhla_convert.families.lm_state import FIELDS, DecodeState
+from mhla_convert.ops.recurrent import FIELDS, DecodeState
 
 ADAPTER = adapter_for_family("llama")
 C = 8  # chunk size: prompts span several chunks and generation crosses chunk boundaries

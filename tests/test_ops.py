@@ -5,15 +5,9 @@ import math
 import pytest
 import torch
 
+from mhla_convert.layer import MHLAConfig
 from mhla_convert.mixing import toeplitz_causal_mixing
-from mhla_convert.ops import (
-    BlockLayout,
-    init_state,
-    mhla_attention,
-    mhla_attention_reference,
-    mhla_recurrent_step,
-    mhla_weights_reference,
-)
+from mhla_convert.ops import BlockLayout, DecodeState, mhla_attention, mhla_attention_reference, mhla_weights_reference
 
 # (grid, blocks): divisible and not, 1-D / 2-D / 3-D, a block count equal to its axis
 LAYOUTS = [
@@ -125,15 +119,14 @@ def test_recurrent_steps_equal_parallel_causal(window, prefix):
     parallel = mhla_attention(
         q, k, v, toeplitz_causal_mixing(rel, math.ceil(37 / chunk)), causal=True, chunk_size=chunk
     )
-    state = init_state(k[:, :prefix], v[:, :prefix], chunk_size=chunk, window=window)
-    sizes, outs = set(), []
-    for t in range(prefix, 37):
-        out, state = mhla_recurrent_step(state, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], rel)
-        outs.append(out)
-        sizes.add(state.nbytes())
-    torch.testing.assert_close(torch.cat(outs, 1), parallel[:, prefix:])
-    assert state.position == 37
-    assert len(sizes) <= window  # the state stops growing once W-2 chunks are held
+    state = DecodeState(2, 2, 8, 6, chunk_size=chunk, window=window, feature_map="relu", dtype=k.dtype,
+                        device=k.device)
+    if prefix:  # (else the new state, at position 0)
+        state.prefill(k[:, :prefix], v[:, :prefix], torch.full((2,), prefix))
+    out = state.steps(q[:, prefix:], k[:, prefix:], v[:, prefix:], None, rel,
+                      MHLAConfig(causal=True, chunk_size=chunk, window=window))
+    torch.testing.assert_close(out, parallel[:, prefix:])
+    assert state.position.tolist() == [37, 37]
 
 
 def test_attention_rank_exceeds_head_dim():

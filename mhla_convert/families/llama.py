@@ -105,23 +105,6 @@ class MHLALlamaAttention(MHLAttention):
             slot.prefill(k, v, lengths, self.config, tokens=q.shape[1])
         return self.output(out), None
 
-    def attend_real(self, q, k, v, real: torch.Tensor | None):
-        """The parallel causal form over each row's real tokens alone: padding anywhere in a row
-        (left padding in batched generation) moves behind them, so chunk boundaries count real
-        tokens only and a padded row gives what it gives unpadded. → output in the input order,
-        and k, v (B, N, H_kv, ·) packed as attended, with each row's number of real tokens."""
-        if real is None:
-            return self.attend(q, k, v), k, v, torch.full(q.shape[:1], q.shape[1], device=q.device)
-        order = torch.argsort((~real).to(torch.int32), dim=1, stable=True)  # real tokens first, in order
-
-        def packed(t):
-            return t.gather(1, order[:, :, None, None].expand_as(t))
-
-        k, v = packed(k), packed(v)
-        out = self.attend(packed(q), k, v)
-        out = torch.empty_like(out).scatter_(1, order[:, :, None, None].expand_as(out), out)
-        return out, k, v, real.sum(1)
-
 
 def layers_of_type(model: nn.Module, layer_type: str) -> list[int]:
     """The indices of `model`'s layers whose `config.layer_types` entry is `layer_type` ("sliding_attention",

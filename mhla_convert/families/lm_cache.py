@@ -7,7 +7,7 @@ nothing needs to know about MHLA ahead of time: not the config (`layer_types` mu
 for `save_pretrained`), not `generate`, not a user-made cache. Softmax layers of a hybrid keep
 their ordinary KV layers.
 
-Each MHLA cache layer holds a `DecodeState` (lm_state.py): fixed-shape tensors allocated at the
+Each MHLA cache layer holds a `DecodeState` (ops/recurrent.py): fixed-shape tensors allocated at the
 prompt and updated in place. The layer subclasses the one it replaces, so transformers sizes the
 masks of the softmax layers and counts tokens the same way whichever layer it asks:
 `MHLACacheLayer` (a `DynamicLayer`), `MHLAStaticLayer` (a `StaticLayer`: compileable, its length a
@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, StaticSlidingWindowLayer
 
 from ..layer import MHLAConfig
-from .lm_state import DecodeState
+from ..ops.recurrent import DecodeState
 
 
 def _is_compiling() -> bool:
@@ -31,7 +31,7 @@ def _is_compiling() -> bool:
 class _MHLASlot:
     """What the three MHLA cache layers share: the state, prefill, decoding steps, crop, reorder."""
 
-    is_croppable = True  # rollback within the open chunk and the one before it (lm_state.py)
+    is_croppable = True  # rollback within the open chunk and the one before it (DecodeState.rollback)
     supports_early_init = False  # nothing to pre-allocate from K/V shapes
 
     def _init_slot(self) -> None:
@@ -53,28 +53,18 @@ class _MHLASlot:
     def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, config: MHLAConfig, tokens: int):
         """Start from a prompt: k, v (B, N, H_kv, D) hold each row's `lengths` real tokens first;
         `tokens` is the number of cache positions the call consumed (padding included)."""
-        settings = dict(chunk_size=config.chunk_size, window=config.window, feature_map=config.feature_map,
-                        exact_chunks=config.exact_chunks)
-        if self.state is None or not self.state.fits(k, v, **settings):
-            self.state = DecodeState(k.shape[0], k.shape[2], k.shape[3], v.shape[3], dtype=k.dtype, device=k.device,
-                                     **settings)
-            self._allocated(self.state)
-        self.state.prefill(k, v, lengths, backend=config.backend)
+        state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state)
+        if state is not self.state:
+            self.state = state
+            self._allocated(state)
         self.has_state = True
         self._count(tokens)
 
     def decode(self, q, k, v, real: torch.Tensor | None, relative: torch.Tensor, config: MHLAConfig) -> torch.Tensor:
         """Continue the state token by token → output (B, N, H, Dv); `real` (B, N) marks non-padding."""
-        scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
-        outs = [
-            self.state.step(
-                q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], None if real is None else real[:, t], relative,
-                normalize=config.normalize, scale=scale, eps=config.eps, backend=config.backend,
-            )
-            for t in range(q.shape[1])
-        ]
+        out = self.state.steps(q, k, v, real, relative, config)
         self._count(q.shape[1])
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` tokens (transformers' convention: a count ≤ 0)."""

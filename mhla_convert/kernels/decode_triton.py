@@ -1,4 +1,4 @@
-"""The Triton backends of an LM layer's decoding state (`families.lm_state.DecodeState`).
+"""The Triton backends of a causal layer's decoding state (`ops.recurrent.DecodeState`).
 
 - The step ("decode" op): one launch per layer and token, `_decode_step_kernel`, reads the token's output and
   updates the state in place (the open chunk, a chunk close with its rollback copies, the ring of recent keys

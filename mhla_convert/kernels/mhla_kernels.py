@@ -1,6 +1,6 @@
 """Triton kernels for MHLA (the math is `ops.mhla`'s docstring; `ops.mhla.mhla_attention_torch`
-is the naive reference each kernel is tested against), its recurrent decoding step and the q/k norm +
-rotary op. Their launches are in `mhla_triton`, `recurrent_triton` and `rotary_triton`.
+is the naive reference each kernel is tested against), the decoding state's step and prompt, and the q/k
+norm + rotary op. Their launches are in `mhla_triton`, `decode_triton` and `rotary_triton`.
 
 Summaries live in one row per (batch, head, block) of COLS = D·Dv + D columns (float32; the input's
 half precision in inference): S_b row major, then z_b. That makes the mixing one plain GEMM over M for
@@ -598,68 +598,6 @@ def _sum_partials_kernel(
 
 
 @triton.jit
-def _step_term(acc, den, fq, w, S, Z, sd, dm, em, d, e, NORMALIZE: tl.constexpr):
-    """One summary's share of a recurrent step's readout: acc += w·(φ(q) S), den += w·(φ(q)·z)."""
-    s = tl.load(S + d[:, None] * sd + e[None, :], mask=dm[:, None] & em[None, :], other=0.0)
-    acc += w[:, None] * tl.sum(fq[:, :, None] * s[None, :, :], 1)
-    if NORMALIZE:
-        z = tl.load(Z + d, mask=dm, other=0.0)
-        den += w * tl.sum(fq * z[None, :], 1)
-    return acc, den
-
-
-@triton.jit
-def _recurrent_step_kernel(
-    Q, K, V, R, CUR_S, CUR_Z, REC_S, REC_Z, FAR_S, FAR_Z, O, NEW_S, NEW_Z, sqb, sqh, skb, skh, svb, svh,
-    cs_b, cs_h, cs_d, cz_b, cz_h, rs_b, rs_h, rs_k, rs_d, rz_b, rz_h, rz_k, fs_b, fs_h, fs_d, fz_b, fz_h,
-    HKV, G, R_SH, W, scale, eps, D: tl.constexpr, DV: tl.constexpr,
-    NREC: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, PHI: tl.constexpr,
-    NORMALIZE: tl.constexpr,
-):
-    """One decoding token of causal MHLA with a relative mixing r (see `ops.recurrent`), for key head
-    hk, query heads g-block pg and value columns e-block pe:
-        S_cur' = S_cur + φ(k) vᵀ, z_cur' = z_cur + φ(k)        (written to NEW_S / NEW_Z)
-        o_h = Σ_j r_h[δ_j] φ(q_h)·S_j / (Σ_j r_h[δ_j] φ(q_h)·z_j + eps)
-    over the open chunk (δ = 0), the NREC closed ones (δ = NREC … 1, oldest first) and the far sum
-    (δ = W − 1). Summaries are float32; the g-block 0 programs write the new open chunk."""
-    bh, pg, pe = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, hk = (bh // HKV).to(tl.int64), bh % HKV
-    g = pg * BG + tl.arange(0, BG)
-    gm = g < G
-    h = hk * G + g
-    d, e = tl.arange(0, BD), pe * BE + tl.arange(0, BE)
-    dm, em = d < D, e < DV
-    smask = dm[:, None] & em[None, :]
-    fk = tl.where(dm, _phi(tl.load(K + b * skb + hk * skh + d, mask=dm, other=0.0).to(tl.float32), PHI), 0.0)
-    vv = tl.load(V + b * svb + hk * svh + e, mask=em, other=0.0).to(tl.float32)
-    s = tl.load(CUR_S + b * cs_b + hk * cs_h + d[:, None] * cs_d + e[None, :], mask=smask, other=0.0)
-    s += fk[:, None] * vv[None, :]
-    z = tl.load(CUR_Z + b * cz_b + hk * cz_h + d, mask=dm, other=0.0) + fk
-    new = (b * HKV + hk) * D
-    tl.store(NEW_S + (new + d[:, None]) * DV + e[None, :], s, mask=smask & (pg == 0))
-    tl.store(NEW_Z + new + d, z, mask=dm & (pg == 0) & (pe == 0))
-
-    qmask = gm[:, None] & dm[None, :]
-    qx = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=qmask, other=0.0).to(tl.float32)
-    fq = tl.where(qmask, _phi(qx, PHI), 0.0) * scale  # (BG, BD)
-    rp = R + h * R_SH
-    w = tl.load(rp, mask=gm, other=0.0).to(tl.float32)
-    acc = w[:, None] * tl.sum(fq[:, :, None] * s[None, :, :], 1)  # (BG, BE)
-    den = w * tl.sum(fq * z[None, :], 1)
-    w = tl.load(rp + W - 1, mask=gm, other=0.0).to(tl.float32)
-    acc, den = _step_term(acc, den, fq, w, FAR_S + b * fs_b + hk * fs_h, FAR_Z + b * fz_b + hk * fz_h, fs_d,
-                          dm, em, d, e, NORMALIZE)
-    for i in tl.static_range(NREC):
-        w = tl.load(rp + (NREC - i), mask=gm, other=0.0).to(tl.float32)
-        acc, den = _step_term(acc, den, fq, w, REC_S + b * rs_b + hk * rs_h + i * rs_k,
-                              REC_Z + b * rz_b + hk * rz_h + i * rz_k, rs_d, dm, em, d, e, NORMALIZE)
-    if NORMALIZE:
-        acc = acc / (den + eps)[:, None]
-    out = O + ((b * HKV + hk) * G + g[:, None]) * DV + e[None, :]
-    tl.store(out, acc.to(O.dtype.element_ty), mask=gm[:, None] & em[None, :])
-
-
-@triton.jit
 def _norm_rotate_kernel(X, W, COS, SIN, OUT, sxb, sxn, scb, scn, ssb, ssn, N, eps,
                         C: tl.constexpr, D: tl.constexpr, BP: tl.constexpr, NORM: tl.constexpr, AFFINE: tl.constexpr):
     """Row (b, n): y = x·rsqrt(mean(x²) + eps)·w, then out[2i] = y[2i]·c − y[2i+1]·s and
@@ -716,7 +654,7 @@ def _decode_step_kernel(
     BDV: tl.constexpr, SPLITS: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PHI: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_REAL: tl.constexpr,
 ):
-    """One decoding token of one LM layer's `DecodeState` (`families.lm_state`) for batch row b and key head hk, all
+    """One decoding token of one causal layer's `DecodeState` (`ops.recurrent`) for batch row b and key head hk, all
     of it in place: the readout of the open chunk, the NREC closed ones, the far sum and (L > 0) the exact window,
     then the state's update, closing the chunk when the token completes it. The row's position and whether its
     token is real (REAL; all are without HAS_REAL) are read here and advanced by the caller.

@@ -1,7 +1,7 @@
 """Launch settings of the Triton kernels: tile sizes, warps, stages and the thresholds that pick a kernel.
 
 One table, `SETTINGS`, read at each launch by `mhla_triton` (attention), `exact_triton` (attention with exact
-local chunks), `recurrent_triton` (the decoding step) and `rotary_triton` (norm + rotary). Settings are fixed
+local chunks), `decode_triton` (an LM layer's decoding state) and `rotary_triton` (norm + rotary). Settings are fixed
 rather than autotuned, which would time every candidate at each new shape inside a model's first forward.
 The token-row kernels are limited by latency rather than bandwidth: a (D, Dv) float32 accumulator per program
 leaves room for few programs per SM, so most settings trade tile size against programs per SM. A program takes
@@ -81,8 +81,8 @@ class Settings:
     # token tile of the non-causal token-row kernels: large enough for tensor-core tile products, small enough
     # that its operand tiles fit beside the (D, Dv) accumulator
     tile_tokens: int = 64
-    # warps per program: 4 for the token-row kernels, the decoding step and the rotary op; 8 where a head dim's
-    # tile is 128 columns wide (D > 64), whose (D, Dv) accumulator needs the registers of 8 warps
+    # warps per program: 4 for the token-row kernels, the decoding state's prompt and the rotary op; 8 where a head
+    # dim's tile is 128 columns wide (D > 64), whose (D, Dv) accumulator needs the registers of 8 warps
     warps: int = 4
     wide_warps: int = 8
     # a launch whose programs fill the GPU fewer times than this splits each block's token tiles over several
@@ -116,10 +116,6 @@ class Settings:
         default_factory=lambda: {"half": (128, 128, 8, 3, 1), "float": (128, 64, 4, 3, 2)})
     # the partials' fixed-order sum (`_sum_partials_kernel`): rows, columns, warps
     sum_tiles: tuple[int, int, int] = (64, 32, 4)
-    # the decoding step: (query heads x D x value columns) per program, and query heads per program: small
-    # enough that one token's work spreads over the SMs
-    step_elements: int = 4096
-    step_max_group: int = 8
     # an LM layer's decoding step (`decode_triton`): each (row, key head) owns its state, so at batch 1 only H_kv
     # of them run; their value columns are split over programs so that one token's work spreads over more SMs. By
     # the widest head dim: (warps, elements, value columns per program), where elements bounds a program's (query

@@ -1,4 +1,4 @@
-"""Backend selection for the operators (`mhla_attention`, the recurrent step, the rotary ops).
+"""Backend selection for the operators (`mhla_attention`, the decoding state, the rotary ops).
 
 Kernels register per operator: `register(op, name, impl, supports)`. `select` returns the torch
 implementation for "torch"; for "auto" the first registered backend whose `supports(*args, **kw)`
@@ -10,8 +10,6 @@ Operators and their implementation signatures:
   backward(do, q, k, v, mixing, layout, *, causal, phi, normalize, scale, eps, needs_grad) → (dq, dk, dv, dmixing);
   an optional traced(q, k, v, mixing, layout, *, causal, feature_map, normalize, scale, eps) → output, or None where
   it declines: inference inside a graph torch.compile traces;
-- "step": `ops.recurrent.step_torch` (closing a chunk stays with the caller);
-  supports(state, q, k, v, relative, *, phi);
 - "rotary": `ops.rotary.norm_rotate_torch`; supports(x, cos, sin, *, head_dim, norm);
 - "rotary_half": `ops.rotary.norm_rotate_half_torch`; supports(x, cos, sin, *, head_dim, norm);
 - "exact" (causal attention with exact local chunks): `ops.exact_local.mhla_attention_exact_local_torch`;
@@ -20,10 +18,10 @@ Operators and their implementation signatures:
 - "exact_blocks" (non-causal attention with an exact block neighbourhood):
   `ops.exact_blocks.mhla_attention_exact_blocks_torch`; supports(q, k, v, mixing, layout, *, exact_radius, phi,
   key_mask); an optional backward as "exact"'s, with exact_radius for exact_chunks;
-- "decode" (an LM layer's decoding step on its `DecodeState`, in place): `families.lm_state.DecodeState.step_torch`;
+- "decode" (a causal layer's decoding step on its `DecodeState`, in place): `ops.recurrent.DecodeState.step_torch`;
   supports(state, q, k, v, relative, *, phi);
-- "prompt" (an LM layer's `DecodeState` started afresh from a prompt, in place):
-  `families.lm_state.DecodeState.prefill_torch`; supports(state, k, v, lengths).
+- "prompt" (a causal layer's `DecodeState` started afresh from a prompt, in place):
+  `ops.recurrent.DecodeState.prefill_torch`; supports(state, k, v, lengths).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "step", "rotary", "rotary_half", "exact", "exact_blocks", "decode", "prompt")
+OPS = ("attention", "rotary", "rotary_half", "exact", "exact_blocks", "decode", "prompt")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _TRACED: dict[Callable, Callable] = {}

@@ -10,8 +10,8 @@ softmax attention, so the local window — what a converted LM leans on most, ex
 tokens — stays the original's while older context costs O(d²) per chunk. The mixing weights still
 scale every chunk, so they learn how much the summaries count against the window.
 
-Decoding keeps the usual recurrent summaries of every closed chunk (`MHLAState`) plus the raw keys and
-values of the window — at most `exact_chunks · chunk_size` tokens, whatever the sequence length.
+Decoding (`ops.recurrent.DecodeState`) keeps the usual recurrent summaries of closed chunks plus a ring of the
+window's raw keys and values — (exact_chunks + 2) · chunk_size tokens, whatever the sequence length.
 
 Exponentials are taken after subtracting each row's largest window score (at least 0), with the
 linear terms and eps scaled by the same factor: the result is the formula above, without overflow.
@@ -22,14 +22,11 @@ The parallel form dispatches like `mhla_attention` (op "exact" of `ops.dispatch`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from .blocks import BlockLayout
-from .feature_maps import FeatureMap, drop_keys, resolve_feature_map
-from .recurrent import MHLAState, advance, init_state, step_terms
+from .feature_maps import drop_keys
 
 
 def _grouped(x: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
@@ -96,84 +93,8 @@ def mhla_attention_exact_local_torch(
     return layout.from_blocks(out.reshape(batch, heads, m, t, dv)).to(q.dtype)
 
 
-@dataclass
-class ExactLocalState:
-    """Decoding state of a layer with exact local chunks: summaries of all closed chunks, the window's keys and
-    values (B, ≤ L·C, H_kv, D / Dv; the tokens of the current chunk and the L − 1 before it)."""
-
-    summaries: MHLAState
-    keys: torch.Tensor
-    values: torch.Tensor
-    real: torch.Tensor  # (B, window tokens) bool: False for padding
-    exact_chunks: int
-
-    @property
-    def position(self) -> int:
-        return self.summaries.position
-
-    def nbytes(self) -> int:
-        tensors = (self.keys, self.values, self.real)
-        return self.summaries.nbytes() + sum(t.numel() * t.element_size() for t in tensors)
-
-    def map(self, fn) -> "ExactLocalState":
-        """Apply fn to every tensor (device moves, beam reordering)."""
-        return ExactLocalState(self.summaries.map(fn), fn(self.keys), fn(self.values), fn(self.real), self.exact_chunks)
-
-
 def window_relative(relative: torch.Tensor, distance: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
-    """Relative mixing (W,) or (H, W) read at chunk distances `distance` (…, K) → (·, ·, ·, 1, K): m for every
+    """Relative mixing (W,) or (H, W) read at chunk distances `distance` (B, K) → (B, ·, ·, 1, K): m for every
     window key, broadcastable against (B, H_kv, g, 1, K)."""
     rel = relative.view(1, 1, -1) if relative.dim() == 1 else relative.view(kv_heads, groups, -1)
-    picked = rel[..., distance]  # (·, ·, *distance.shape)
-    if distance.dim() == 1:
-        return picked[None, :, :, None, :]
-    return picked.permute(2, 0, 1, 3).unsqueeze(-2)
-
-
-def _window_start(position: int, chunk_size: int, exact_chunks: int) -> int:
-    """First token of the window of the chunk that the token at `position` falls in."""
-    return max((position // chunk_size - exact_chunks + 1) * chunk_size, 0)
-
-
-def init_exact_state(
-    k, v, *, chunk_size: int, window: int, exact_chunks: int, feature_map: FeatureMap = "relu", key_mask=None
-):
-    """State after the prefix k, v (B, L, H_kv, D / Dv); `key_mask` (B, L) bool, False for padding."""
-    start = _window_start(k.shape[1], chunk_size, exact_chunks)
-    summaries = init_state(drop_keys(k, key_mask), v, chunk_size=chunk_size, window=window, feature_map=feature_map)
-    real = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if key_mask is None else key_mask
-    return ExactLocalState(summaries, k[:, start:], v[:, start:], real[:, start:], exact_chunks)
-
-
-def exact_local_step(state: ExactLocalState, q, k, v, relative, *, feature_map: FeatureMap = "relu",
-                     scale: float | None = None, eps: float = 1e-6, key_mask=None):
-    """One token (q (B, 1, H, D), k, v (B, 1, H_kv, ·), relative (W,) or (H, W)) → output (B, 1, H, Dv), new state.
-    `key_mask` (B, 1) bool: False when the token is padding (its k must then be `drop_keys`' fill).
-
-    Equals the last row of `mhla_attention(..., causal=True, chunk_size=C, exact_chunks=L)`."""
-    summaries, chunks = state.summaries, state.exact_chunks
-    batch, _, heads, dim = q.shape
-    kv_heads, groups = k.shape[2], heads // k.shape[2]
-    chunk_size, position = summaries.chunk_size, summaries.position
-    phi = resolve_feature_map(feature_map)
-    scale = dim**-0.5 if scale is None else scale
-    acc = summaries.cur_s.dtype
-
-    far = relative * (torch.arange(relative.shape[-1], device=relative.device) >= chunks)
-    num, den, cur_s, cur_z = step_terms(summaries, q, k, v, far, phi=phi, scale=scale)
-
-    keys, values = torch.cat([state.keys, k], 1), torch.cat([state.values, v], 1)
-    real = torch.cat([state.real, state.real.new_ones(batch, 1) if key_mask is None else key_mask], 1)
-    first = position + 1 - keys.shape[1]
-    distance = position // chunk_size - torch.arange(first, position + 1, device=q.device) // chunk_size
-    weights = window_relative(relative.to(acc), distance, kv_heads, groups)  # (·, ·, ·, 1, window tokens)
-    qr = q[:, 0].to(acc).view(batch, kv_heads, groups, 1, dim)
-    keys_, values_ = (t.to(acc).transpose(1, 2).unsqueeze(2) for t in (keys, values))  # (B, H_kv, 1, K, ·)
-    allowed = (weights > 0) & real[:, None, None, None, :]
-    out = read_window(num, den, qr, keys_, values_, weights, allowed, eps=eps)
-
-    if (position + 1) % chunk_size == 0:  # the chunk closes: the window moves on by one chunk
-        start = _window_start(position + 1, chunk_size, chunks)
-        keys, values, real = keys[:, start - first :], values[:, start - first :], real[:, start - first :]
-    new = ExactLocalState(advance(summaries, cur_s, cur_z), keys, values, real, chunks)
-    return out.reshape(batch, 1, heads, -1).to(q.dtype), new
+    return rel[..., distance].permute(2, 0, 1, 3).unsqueeze(-2)  # (·, ·, B, K) → (B, ·, ·, 1, K)

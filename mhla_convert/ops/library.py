@@ -1,5 +1,5 @@
-"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.exact_local.exact_attention_op`,
-`ops.recurrent.recurrent_step_op`): gradients by recomputation and the autograd wiring to a backward op."""
+"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.exact_op.exact_attention_op`):
+gradients by recomputation and the autograd wiring to a backward op."""
 
 from __future__ import annotations
 
