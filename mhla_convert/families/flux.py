@@ -15,7 +15,7 @@ embedding of the guidance-distilled FLUX.1-dev; FluxPipeline samples (CLIP poole
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -58,6 +58,14 @@ class JointMHLA(DiffusersMHLA):
     (hidden_states, encoder_hidden_states, image_rotary_emb=) → (image, text) outputs; single-stream (the text-first
     concatenation, image_rotary_emb=) → one output. `mixing` is (M + 1, M + 1): index M is the text (`ops.joint`)."""
 
+    @classmethod
+    def from_joint_host(cls, host: nn.Module, config: MHLAConfig) -> "JointMHLA":
+        """`from_host` (per-head q/k norms), plus the host's text-stream projections and norms where it has them."""
+        layer = cls.from_host(host, config, qk_norm="per_head")
+        for name in TEXT_PROJECTIONS if host.added_kv_proj_dim is not None else ():
+            setattr(layer, name, getattr(host, name))
+        return layer
+
     def _initial_mixing(self, far_init: float | None = None) -> torch.Tensor:
         """The image blocks' init (`MHLAttention._initial_mixing`), then the text: every image query reads it exactly
         at weight 1, as its own exact region; the text queries read it at 1 and the image summaries at the far weight
@@ -70,9 +78,10 @@ class JointMHLA(DiffusersMHLA):
         joint[..., m, :m] = far
         return joint / joint.amax(-1, keepdim=True)
 
-    def attend_joint(self, q, k, v, grid: tuple[int, ...], text: int) -> torch.Tensor:
-        """`ops.joint.joint_attention` of the text-first (B, L + N, H, D) q, k, v; a grid axis shorter than its block
-        count is clamped (`fitted_blocks`), the text block kept."""
+    def attend_joint(self, q, k, v, grid: tuple[int, ...], text: int, text_mask=None) -> torch.Tensor:
+        """`ops.joint.joint_attention` of the text-first (B, L + N, H, D) q, k, v (`text_mask`: (B, L) bool, False
+        for padded text); a grid axis shorter than its block count is clamped (`fitted_blocks`), the text block
+        kept."""
         if self.context_parallel is not None:
             raise ValueError("joint text-image MHLA layers do not run under context parallelism")
         blocks, kept = fitted_blocks(tuple(grid), self.config.blocks)
@@ -82,14 +91,24 @@ class JointMHLA(DiffusersMHLA):
             mixing = mixing[..., kept, :][..., kept]
         cfg = self.config
         return joint_attention(q, k, v, mixing, text=text, grid=grid, blocks=blocks, exact_radius=cfg.exact_radius,
-                               feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps)
+                               feature_map=cfg.feature_map, scale=cfg.scale, eps=cfg.eps, text_mask=text_mask)
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):
-        from diffusers.models.embeddings import apply_rotary_emb
-
         if attention_mask is not None or kwargs:
             raise ValueError("a joint MHLA layer takes no attention mask or further attention kwargs (IP-Adapter)")
+        return self.joint_forward(hidden_states, encoder_hidden_states, image_rotary_emb)
+
+    def rotate(self, q, k, image_rotary_emb, text: int):
+        """The host's RoPE on the text-first q, k (FLUX: one table over both, diffusers' `apply_rotary_emb`)."""
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        return (apply_rotary_emb(q, image_rotary_emb, sequence_dim=1),
+                apply_rotary_emb(k, image_rotary_emb, sequence_dim=1))
+
+    def joint_forward(self, hidden_states, encoder_hidden_states, image_rotary_emb, text_mask=None):
+        """The host's projections, q/k norms, text-first concat and RoPE (`rotate`), then `attend_joint`: the image
+        output (through `to_out`) and with text the text output (through `to_add_out`)."""
         q, k, v = self.project(hidden_states)  # per-head RMSNorm on q, k, as FluxAttnProcessor
         if encoder_hidden_states is not None:
             eq, ek, ev = (p(encoder_hidden_states).unflatten(-1, (-1, self.head_dim))
@@ -102,9 +121,8 @@ class JointMHLA(DiffusersMHLA):
             raise ValueError(f"joint MHLA layer got {q.shape[1]} tokens but the model's last forward captured image "
                              f"grid {grid}, leaving no text tokens; call the model, not the layer")
         if image_rotary_emb is not None and self.config.rope == "before_feature_map":
-            q = apply_rotary_emb(q, image_rotary_emb, sequence_dim=1)
-            k = apply_rotary_emb(k, image_rotary_emb, sequence_dim=1)
-        out = self.out_norm(self.attend_joint(q, k, v, grid, text)).flatten(-2)
+            q, k = self.rotate(q, k, image_rotary_emb, text)
+        out = self.out_norm(self.attend_joint(q, k, v, grid, text, text_mask)).flatten(-2)
         if encoder_hidden_states is None:
             return self.to_out(out)  # single-stream: no output projection (Identity)
         text_out, image_out = out.split([text, out.shape[1] - text], 1)
@@ -122,6 +140,7 @@ class FluxAdapter(DiffusersAdapter):
     pipeline_class = "FluxPipeline"
     flow_shift = 3.0
     max_prompt_length = 512
+    layer_class: ClassVar[type[JointMHLA]] = JointMHLA  # what replaces each joint attention
 
     def attention_modules(self, model) -> list[nn.Module]:
         return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
@@ -147,9 +166,7 @@ class FluxAdapter(DiffusersAdapter):
         block = model.transformer_blocks[index] if index < dual else model.single_transformer_blocks[index - dual]
         where = f"transformer_blocks.{index}.attn" if index < dual else f"single_transformer_blocks.{index - dual}.attn"
         self.check_host(block.attn, where)
-        layer = JointMHLA.from_host(block.attn, config, qk_norm="per_head")
-        for name in TEXT_PROJECTIONS if block.attn.added_kv_proj_dim is not None else ():
-            setattr(layer, name, getattr(block.attn, name))
+        layer = self.layer_class.from_joint_host(block.attn, config)
         self.prepare(model)
         layer.token_grid = getattr(model, GRID_ATTR)
         block.attn = layer
@@ -209,21 +226,10 @@ class FluxAdapter(DiffusersAdapter):
     def tiny_components(self, transformer) -> dict[str, Any]:
         """The base's tiny parts with its T5 as FLUX's `text_encoder_2`, plus a tiny CLIP text encoder (the pooled
         embedding) with a 77-token character tokenizer."""
-        from transformers import CLIPTextConfig, CLIPTextModel
-
-        from ..train.components import char_tokenizer
-
         parts = super().tiny_components(transformer)
         parts["text_encoder_2"], parts["tokenizer_2"] = parts.pop("text_encoder"), parts.pop("tokenizer")
-        width = transformer.config.pooled_projection_dim
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            clip = CLIPTextModel(CLIPTextConfig(vocab_size=TINY_VOCAB, hidden_size=width, intermediate_size=2 * width,
-                                                num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
-                                                pad_token_id=0, eos_token_id=2))
-        tokenizer = char_tokenizer()
-        tokenizer.model_max_length = 77
-        return {**parts, "text_encoder": clip.eval(), "tokenizer": tokenizer}
+        clip, tokenizer = tiny_clip_text(transformer.config.pooled_projection_dim)
+        return {**parts, "text_encoder": clip, "tokenizer": tokenizer}
 
     def tiny_vae(self, latent_channels: int):
         vae = super().tiny_vae(latent_channels)
@@ -254,3 +260,20 @@ class FluxAdapter(DiffusersAdapter):
 
         tiny = dict(height=32, width=32, max_sequence_length=32) if is_tiny(base) else {}
         return {"prompt": prompt, **tiny, **given(height=height, width=width, guidance_scale=guidance_scale)}
+
+
+def tiny_clip_text(width: int) -> tuple[nn.Module, Any]:
+    """A tiny CLIP text encoder for the pooled prompt embedding (`width` wide, its own seed) and its 77-token
+    character tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from ..train.components import char_tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        clip = CLIPTextModel(CLIPTextConfig(vocab_size=TINY_VOCAB, hidden_size=width, intermediate_size=2 * width,
+                                            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
+                                            pad_token_id=0, eos_token_id=2))
+    tokenizer = char_tokenizer()
+    tokenizer.model_max_length = 77
+    return clip.eval(), tokenizer
