@@ -9,9 +9,8 @@ loader (`io.from_pretrained`). Diffusers imports this module itself once mhla_co
 among the libraries diffusers loads components from: registration.py); without `import mhla_convert` such a pipeline
 fails to load, naming this module. The weights are saved as model*.safetensors, which diffusers' stock loader does
 not read: the base class's own `from_pretrained` on a converted folder fails rather than silently rebuilding softmax
-attention, and once this module is imported (a converted transformer converted or loaded in the process) it says the
-folder is an MHLA checkpoint and what loads it (`io.guard_base_loader`; transformers_models.py does the same for the
-LM classes).
+attention, and after `import mhla_convert` it says the folder is an MHLA checkpoint and what loads it
+(`registration.LOADED_BY`, filled here; io.load_unless_converted).
 
 Saved pipelines name this module and these classes: they must keep their names.
 """
@@ -26,8 +25,7 @@ from diffusers import ModelMixin  # noqa: F401  diffusers looks a component libr
 from diffusers.utils import PushToHubMixin
 
 from .families import adapter_for_config, families
-from .io import guard_base_loader
-from .registration import CONVERTED_PREFIX
+from .registration import CONVERTED_PREFIX, LOADED_BY
 
 # Options diffusers' loaders pass that leave the loaded model as it is.
 NEUTRAL_OPTIONS = {"low_cpu_mem_usage", "disable_mmap", "offload_state_dict"}
@@ -109,9 +107,10 @@ CONVERTED = {  # base class name -> converted class
     for adapter in families().values() if adapter.library == "diffusers" for name in adapter.model_classes
 }
 globals().update({cls.__name__: cls for cls in CONVERTED.values()})
-for _name, _converted_cls in CONVERTED.items():  # a base class given a converted transformer says what loads it
-    guard_base_loader(getattr(diffusers, _name), lambda cls: issubclass(cls, ConvertedModel),
-                      f"{_converted_cls.__name__}.from_pretrained or its pipeline's from_pretrained")
+LOADED_BY.update({  # a base class given a converted transformer says what loads it
+    getattr(diffusers, name): f"{cls.__name__}.from_pretrained or its pipeline's from_pretrained"
+    for name, cls in CONVERTED.items()
+})
 __all__ = sorted(cls.__name__ for cls in CONVERTED.values())
 
 

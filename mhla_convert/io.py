@@ -422,28 +422,24 @@ def swap_into_place(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def guard_base_loader(base: type, is_converted, how: str) -> None:
-    """Make `base.from_pretrained` (a library's class that mhla-convert converts) refuse an MHLA checkpoint,
-    saying so and `how` to load it, rather than fail on weights it does not find or load a layout it would read
-    as softmax attention: a local folder is checked first, a hub repo once the library's loader has failed.
-    Converted classes (`is_converted(cls)`), which load through it, pass."""
-    def from_pretrained(cls, *args, **kwargs):
-        location = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        if is_converted(cls) or not isinstance(location, (str, os.PathLike)):
-            return super(base, cls).from_pretrained(*args, **kwargs)
-        subfolder = kwargs.get("subfolder") or ""
-        local = resolve_saved(location)
-        if local.is_dir() and (checkpoint_dir(local / subfolder) / MHLA_CONFIG).is_file():
-            raise _converted_checkpoint(cls, location, how)
-        try:
-            return super(base, cls).from_pretrained(*args, **kwargs)
-        except OSError as error:
-            if local.exists() or not _hub_holds_mhla(str(location), subfolder, kwargs):
-                raise
-            raise _converted_checkpoint(cls, location, how) from error
-
-    from_pretrained.__doc__ = base.from_pretrained.__doc__
-    base.from_pretrained = classmethod(from_pretrained)
+def load_unless_converted(loader, cls: type, args: tuple, kwargs: dict[str, Any], how) -> Any:
+    """`loader(cls, *args, **kwargs)`, a library's `from_pretrained` (registration.py puts this in front of it),
+    unless it is given an MHLA checkpoint and `how(cls)` says what loads it (`cls` is a class mhla-convert converts):
+    then an error saying so, rather than a failure on weights it does not find or a layout it would read as softmax
+    attention. A local folder is checked first, a hub repo once the loader has failed."""
+    location = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    if not isinstance(location, (str, os.PathLike)):
+        return loader(cls, *args, **kwargs)
+    subfolder = kwargs.get("subfolder") or ""
+    local = resolve_saved(location)
+    if local.is_dir() and (checkpoint_dir(local / subfolder) / MHLA_CONFIG).is_file() and (way := how(cls)):
+        raise _converted_checkpoint(cls, location, way)
+    try:
+        return loader(cls, *args, **kwargs)
+    except OSError as error:
+        if local.exists() or not (way := how(cls)) or not _hub_holds_mhla(str(location), subfolder, kwargs):
+            raise
+        raise _converted_checkpoint(cls, location, way) from error
 
 
 def _converted_checkpoint(cls: type, location, how: str) -> OSError:

@@ -11,7 +11,9 @@ already is), it is told about them through the library's own registration:
   never meets a converted LM does not pay for);
 - diffusers' `pipeline_loading_utils`: diffusers_models.py joins the libraries diffusers loads pipeline components
   from (`LOADABLE_CLASSES`), so a pipeline whose model_index.json names it imports it, from a folder or the Hub;
-- PEFT's `utils.constants`: a converted LM's model type gets its base type's default target modules.
+- PEFT's `utils.constants`: a converted LM's model type gets its base type's default target modules;
+- transformers' and diffusers' `modeling_utils`: the from_pretrained every model class loads through refuses an MHLA
+  checkpoint for a class mhla-convert converts (`LlamaForCausalLM`, `WanTransformer3DModel`, …), saying what loads it.
 
 A process that never imports mhla_convert loads a converted LM with `trust_remote_code=True` (the checkpoint's
 `mhla_loader.py` imports transformers_models.py); diffusers imports a component library only once the process has
@@ -84,6 +86,33 @@ def install() -> None:
     when_imported("transformers.models.auto.configuration_auto", _register_configs)
     when_imported("diffusers.pipelines.pipeline_loading_utils", _register_diffusers_library)
     when_imported("peft.utils.constants", _register_peft_targets)
+    when_imported("transformers.modeling_utils", lambda m: _guard_base_loader(m.PreTrainedModel, CONVERTED_LM_MODULE))
+    when_imported("diffusers.models.modeling_utils", lambda m: _guard_base_loader(m.ModelMixin, DIFFUSERS_MODULE))
+
+
+# A class mhla-convert converts -> what loads its converted checkpoints (filled by the module of its converted class)
+LOADED_BY: dict[type, str] = {}
+
+
+def _guard_base_loader(root: type, converted_module: str) -> None:
+    """`root.from_pretrained`, which every model class of its library loads through, refuses an MHLA checkpoint for
+    a class mhla-convert converts, saying so and what loads it (io.load_unless_converted); the converted classes,
+    defined in `converted_module` (imported only to say what loads one), load through it as before."""
+    loader = root.from_pretrained.__func__
+
+    def loaded_by(cls: type) -> str | None:
+        importlib.import_module(converted_module)
+        return next((LOADED_BY[c] for c in cls.__mro__ if c in LOADED_BY), None)
+
+    @functools.wraps(loader)
+    def from_pretrained(cls, *args, **kwargs):
+        if any(c.__module__ == converted_module for c in cls.__mro__):
+            return loader(cls, *args, **kwargs)
+        from .io import load_unless_converted
+
+        return load_unless_converted(loader, cls, args, kwargs, loaded_by)
+
+    root.from_pretrained = classmethod(from_pretrained)
 
 
 def _register_configs(configuration_auto) -> None:

@@ -11,10 +11,10 @@ architecture, so transformers' own loader fills in exactly the saved weights (an
 unexpected key is an error). A saved directory also holds `mhla_loader.py`, named by the config's
 `auto_map`: with `trust_remote_code=True` a process that has not imported mhla_convert imports it
 through that module, or is told to `pip install mhla-convert`. Without either, transformers refuses the
-unknown model type: a converted LM never loads as its base model through the Auto classes. Once this module is
-imported (a converted LM built, converted or loaded in the process), the base classes themselves
-(`LlamaForCausalLM`, `LlamaModel`, …) given a converted folder say it is an MHLA checkpoint and what loads it
-(`io.guard_base_loader`); before, they fail on the weights' file name (io.py).
+unknown model type: a converted LM never loads as its base model through the Auto classes. After
+`import mhla_convert`, the base classes themselves (`LlamaForCausalLM`, `LlamaModel`, …) given a converted folder
+say it is an MHLA checkpoint and what loads it (`registration.LOADED_BY`, filled here; io.load_unless_converted);
+without it, they fail on the weights' file name (io.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .registration import CAUSAL_LMS, CONVERTED_PREFIX, MODEL_TYPE_PREFIX, converted_configs
+from .registration import CAUSAL_LMS, CONVERTED_PREFIX, LOADED_BY, MODEL_TYPE_PREFIX, converted_configs
 
 LOADER_MODULE = "mhla_loader"
 
@@ -199,19 +199,16 @@ def _register() -> dict[str, tuple[type, type]]:
         AutoModelForCausalLM.register(config, model, exist_ok=True)
         AutoModel.register(config, bare, exist_ok=True)
         BASE_MODELS[name] = bare
-        _guard(model, "AutoModelForCausalLM.from_pretrained")
-        _guard(bare, "AutoModel.from_pretrained")
+        _loaded_by(model, "AutoModelForCausalLM.from_pretrained")
+        _loaded_by(bare, "AutoModel.from_pretrained")
         globals().update({cls.__name__: cls for cls in (config, model, bare)})
     return classes
 
 
-def _guard(converted: type, auto: str) -> None:
-    """The converted class's base class refuses a converted checkpoint, naming `auto` and `converted`."""
-    from .io import guard_base_loader
-
+def _loaded_by(converted: type, auto: str) -> None:
+    """The converted class's base class, given a converted checkpoint, names `auto` and `converted`."""
     base = next(c for c in converted.__mro__ if c.__name__ == converted.__name__.removeprefix(CONVERTED_PREFIX))
-    guard_base_loader(base, lambda cls: issubclass(cls, (ConvertedCausalLM, ConvertedBaseModel)),
-                      f"{auto} or {converted.__name__}.from_pretrained")
+    LOADED_BY[base] = f"{auto} or {converted.__name__}.from_pretrained"
 
 
 BASE_MODELS: dict[str, type] = {}  # base class name -> converted base model class (AutoModel)

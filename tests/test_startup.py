@@ -101,6 +101,36 @@ def test_every_loader_finds_the_converted_classes_in_a_fresh_process(tiny, tmp_p
     assert pipe == [type(dit).__name__, len(mhla_layers(dit))]
 
 
+def test_after_import_alone_a_base_class_refuses_a_converted_checkpoint(tiny, tmp_path):
+    """`import mhla_convert` is all it takes: the library's modeling module loading installs the refusal, though
+    no converted class has been built in the process."""
+    lm = tiny("tiny-llama")
+    convert(lm, layers=[1, 3])
+    dit = tiny("tiny-dit")
+    convert(dit, ratio=0.5)
+    checkpoints = {"LlamaForCausalLM": save_pretrained(lm, tmp_path / "lm"),
+                   "DiTTransformer2DModel": save_pretrained(dit, tmp_path / "dit")}
+    for name, path in checkpoints.items():
+        library = "transformers" if name.endswith("CausalLM") else "diffusers"
+        refused = _run(f"""
+            import json, sys
+            import mhla_convert
+            from {library} import {name}
+            built = [m for m in sys.modules if m.startswith(("mhla_convert.transformers_models",
+                                                             "mhla_convert.diffusers_models"))]
+            try:
+                {name}.from_pretrained({str(path)!r})
+                error = None
+            except OSError as refusal:
+                error = str(refusal)
+            print("RESULT", json.dumps([built, error]))
+        """, tmp_path)
+        assert refused[0] == [] and "\n" not in refused[1], refused
+        assert refused[1].startswith(f"{path} is an MHLA checkpoint (converted by mhla-convert), which {name}'s own "
+                                     f"loader would not load as converted: load it with "), refused
+        assert f"MHLA{name}.from_pretrained" in refused[1], refused
+
+
 def test_peft_gets_the_converted_lm_types_default_targets(tmp_path):
     targets = _run("""
         import json
