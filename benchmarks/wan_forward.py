@@ -5,10 +5,13 @@ wan2.2-ti2v a Wan2.2-TI2V-5B-shaped one (48 latent channels of the Wan2.2 VAE, 4
 SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, with --model dit a
 DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens), or with --model flux a FLUX.1-dev-shaped
 `FluxTransformer2DModel` at 1024² and 2048² (64x64 and 128x128 packed tokens, 512 text tokens: joint text-image
-MHLA, torch path only, not yet timed here); original vs converted to MHLA with the
+MHLA, torch path only, not yet timed here), or with --model hunyuanvideo a HunyuanVideo-shaped
+`HunyuanVideoTransformer3DModel` at 720p x 129 frames (33x45x80 = 118,800 video tokens, 256 text tokens; joint MHLA
+as FLUX's, not yet timed here); original vs converted to MHLA with the
 library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|wan-layer] [--backend auto|torch|triton]
+    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|hunyuanvideo|wan-layer]
+        [--backend auto|torch|triton]
         [--compile]
         [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
 
@@ -61,6 +64,9 @@ FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layer
 TINY_FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=8,
                  num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=12, guidance_embeds=True,
                  axes_dims_rope=(2, 2, 4))
+TINY_HUNYUANVIDEO = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                         num_single_layers=2, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=12,
+                         rope_axes_dim=(2, 2, 4))
 TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
 TINY_SANA = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
@@ -315,6 +321,28 @@ def bench_flux(setup: Setup):
     return "tiny FLUX" if setup.tiny else "FLUX.1-dev-shaped (real config)", groups
 
 
+def bench_hunyuanvideo(setup: Setup):
+    """HunyuanVideo-shaped (the class defaults are its config) at 720p x 129 frames (33x90x160 latents, 33x45x80 video
+    tokens) with 256 prompt tokens: the original against every joint attention converted (11x5x8 video blocks, the
+    family's exact region, the text read exactly)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    with torch.device(setup.device):
+        model = HunyuanVideoTransformer3DModel(**(TINY_HUNYUANVIDEO if setup.tiny else {})).to(setup.dtype).eval()
+    cfg, text = model.config, 8 if setup.tiny else 256
+    (frames, h, w), blocks = ((3, 8, 8), (3, 2, 2)) if setup.tiny else ((33, 90, 160), (11, 5, 8))
+    x = setup.randn(1, cfg.in_channels, frames, h, w)
+    prompt, pooled = setup.randn(1, text, cfg.text_embed_dim), setup.randn(1, cfg.pooled_projection_dim)
+    mask = torch.ones(1, text, device=setup.device, dtype=torch.long)
+    t, guidance = (torch.full((1,), v, device=setup.device, dtype=setup.dtype) for v in (500.0, 6000.0))
+    tokens = frames * (h // 2) * (w // 2)
+    variants = {f"original, {tokens:,} video + {text} text tokens": model,
+                f"joint MHLA, M={blocks[0] * blocks[1] * blocks[2]}": _converted(model, setup, blocks=blocks)}
+    groups = [_measure(variants, lambda m: m(x, t, prompt, mask, pooled, guidance, return_dict=False), setup,
+                       alternate=True)]
+    return "tiny HunyuanVideo" if setup.tiny else "HunyuanVideo-shaped (class defaults), 720p x 129 frames", groups
+
+
 def bench_dit(setup: Setup):
     from diffusers import DiTTransformer2DModel
 
@@ -362,7 +390,8 @@ def report(title: str, groups: list, setup: Setup) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "flux", "wan-layer"))
+    ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "flux", "hunyuanvideo",
+                                                          "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
@@ -390,7 +419,7 @@ def main(argv=None) -> str:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
     try:
         bench = {"wan": bench_wan, "wan2.2-ti2v": bench_wan, "sana": bench_sana, "dit": bench_dit,
-                 "flux": bench_flux, "wan-layer": bench_wan_layer}[args.model]
+                 "flux": bench_flux, "hunyuanvideo": bench_hunyuanvideo, "wan-layer": bench_wan_layer}[args.model]
         title, groups = bench(setup)
     finally:
         torch.set_num_threads(threads)

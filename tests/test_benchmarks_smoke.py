@@ -158,6 +158,13 @@ def test_wan_forward_tiny_dit_compiled(load):
     assert all(float(r[3].removesuffix(" ms")) > 0 for r in rows) and rows[0][4] == "1.00x"
 
 
+def test_wan_forward_tiny_hunyuanvideo(load):
+    """HunyuanVideo: original and every joint attention converted, over a 3x4x4 video token grid."""
+    rows = _table(load("wan_forward").main(["--tiny", "--model", "hunyuanvideo"]))
+    assert [r[0].split(",")[0] for r in rows] == ["original", "joint MHLA"] and "48 video + 8 text" in rows[0][0]
+    assert all(float(r[1].removesuffix(" ms")) > 0 for r in rows) and rows[0][2] == "1.00x"
+
+
 def test_wan_forward_tiny_kernel_profile(load, capsys):
     """--kernels: every variant in each mode gets its total and its N busiest kernels (CPU ops with --tiny)."""
     load("wan_forward").main(["--tiny", "--model", "dit", "--compile", "--kernels", "2"])
