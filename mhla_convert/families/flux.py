@@ -15,7 +15,7 @@ embedding of the guidance-distilled FLUX.1-dev; FluxPipeline samples (CLIP poole
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -140,6 +140,7 @@ class FluxAdapter(DiffusersAdapter):
     pipeline_class = "FluxPipeline"
     flow_shift = 3.0
     max_prompt_length = 512
+    layer_class: ClassVar[type[JointMHLA]] = JointMHLA  # what replaces each joint attention
 
     def attention_modules(self, model) -> list[nn.Module]:
         return [block.attn for block in (*model.transformer_blocks, *model.single_transformer_blocks)]
@@ -165,7 +166,7 @@ class FluxAdapter(DiffusersAdapter):
         block = model.transformer_blocks[index] if index < dual else model.single_transformer_blocks[index - dual]
         where = f"transformer_blocks.{index}.attn" if index < dual else f"single_transformer_blocks.{index - dual}.attn"
         self.check_host(block.attn, where)
-        layer = JointMHLA.from_joint_host(block.attn, config)
+        layer = self.layer_class.from_joint_host(block.attn, config)
         self.prepare(model)
         layer.token_grid = getattr(model, GRID_ATTR)
         block.attn = layer
@@ -225,21 +226,10 @@ class FluxAdapter(DiffusersAdapter):
     def tiny_components(self, transformer) -> dict[str, Any]:
         """The base's tiny parts with its T5 as FLUX's `text_encoder_2`, plus a tiny CLIP text encoder (the pooled
         embedding) with a 77-token character tokenizer."""
-        from transformers import CLIPTextConfig, CLIPTextModel
-
-        from ..train.components import char_tokenizer
-
         parts = super().tiny_components(transformer)
         parts["text_encoder_2"], parts["tokenizer_2"] = parts.pop("text_encoder"), parts.pop("tokenizer")
-        width = transformer.config.pooled_projection_dim
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            clip = CLIPTextModel(CLIPTextConfig(vocab_size=TINY_VOCAB, hidden_size=width, intermediate_size=2 * width,
-                                                num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
-                                                pad_token_id=0, eos_token_id=2))
-        tokenizer = char_tokenizer()
-        tokenizer.model_max_length = 77
-        return {**parts, "text_encoder": clip.eval(), "tokenizer": tokenizer}
+        clip, tokenizer = tiny_clip_text(transformer.config.pooled_projection_dim)
+        return {**parts, "text_encoder": clip, "tokenizer": tokenizer}
 
     def tiny_vae(self, latent_channels: int):
         vae = super().tiny_vae(latent_channels)
@@ -270,3 +260,20 @@ class FluxAdapter(DiffusersAdapter):
 
         tiny = dict(height=32, width=32, max_sequence_length=32) if is_tiny(base) else {}
         return {"prompt": prompt, **tiny, **given(height=height, width=width, guidance_scale=guidance_scale)}
+
+
+def tiny_clip_text(width: int) -> tuple[nn.Module, Any]:
+    """A tiny CLIP text encoder for the pooled prompt embedding (`width` wide, its own seed) and its 77-token
+    character tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from ..train.components import char_tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        clip = CLIPTextModel(CLIPTextConfig(vocab_size=TINY_VOCAB, hidden_size=width, intermediate_size=2 * width,
+                                            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=77,
+                                            pad_token_id=0, eos_token_id=2))
+    tokenizer = char_tokenizer()
+    tokenizer.model_max_length = 77
+    return clip.eval(), tokenizer
