@@ -323,14 +323,14 @@ def bench_flux(setup: Setup):
 
 def bench_hunyuanvideo(setup: Setup):
     """HunyuanVideo-shaped (the class defaults are its config) at 720p x 129 frames (33x90x160 latents, 33x45x80 video
-    tokens) with 256 prompt tokens: the original against every joint attention converted (11x5x8 video blocks, the
+    tokens) with 256 prompt tokens: the original against every joint attention converted (11x5x5 video blocks, the
     family's exact region, the text read exactly)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
     with torch.device(setup.device):
         model = HunyuanVideoTransformer3DModel(**(TINY_HUNYUANVIDEO if setup.tiny else {})).to(setup.dtype).eval()
     cfg, text = model.config, 8 if setup.tiny else 256
-    (frames, h, w), blocks = ((3, 8, 8), (3, 2, 2)) if setup.tiny else ((33, 90, 160), (11, 5, 8))
+    (frames, h, w), blocks = ((3, 8, 8), (3, 2, 2)) if setup.tiny else ((33, 90, 160), (11, 5, 5))
     x = setup.randn(1, cfg.in_channels, frames, h, w)
     prompt, pooled = setup.randn(1, text, cfg.text_embed_dim), setup.randn(1, cfg.pooled_projection_dim)
     mask = torch.ones(1, text, device=setup.device, dtype=torch.long)

@@ -72,9 +72,9 @@ class HunyuanVideoAdapter(FluxAdapter):
     name = "hunyuanvideo"
     model_classes = ("HunyuanVideoTransformer3DModel",)
     aliases = {"hunyuanvideo": "hunyuanvideo-community/HunyuanVideo"}
-    # 129 frames at 720x1280 -> 33x45x80 = 118,800 tokens; 11x5x8 = 440 blocks of 3x9x10 tokens (M² ≈ 1.6 N)
-    native_blocks = (11, 5, 8)
-    exact_radius = 0  # its own block of 270 tokens, as Wan's: the 26 neighbours' would add 7,020 per query
+    # 129 frames at 720x1280 -> 33x45x80 = 118,800 tokens; 11x5x5 = 275 blocks of 3x9x16 tokens (M² ≤ N)
+    native_blocks = (11, 5, 5)
+    exact_radius = 0  # its own block of 432 tokens, as Wan's: the 26 neighbours' would add 11,232 per query
     layer_class = HunyuanVideoJointMHLA
     pipeline_class = "HunyuanVideoPipeline"
     flow_shift = 7.0  # the scheduler shift of HunyuanVideo's pipeline
