@@ -50,3 +50,16 @@ def test_mixing_has_a_text_block_and_a_foreign_mask_is_refused(tiny):
     video, text = torch.randn(1, 18, 16), torch.randn(1, 4, 16)
     with pytest.raises(ValueError, match=r"\(B, 1, 1, 22\) bool key mask"):
         layer(video, text, attention_mask=torch.zeros(1, 1, 22, 22))
+
+
+def test_the_tiny_pipeline_encodes_each_caption_with_its_padding_mask(tiny):
+    """Folder data is encoded by the pipeline's own encode_prompt; the tiny character-level Llama reads the bare
+    caption (the default template would crop it away), padded to the prompt length with its mask."""
+    from mhla_convert.train.components import pipeline
+
+    model, adapter = tiny("tiny-hunyuanvideo"), adapter_for_family("hunyuanvideo")
+    pipe = pipeline("hunyuanvideo", model, "tiny-hunyuanvideo")
+    columns = adapter.encode_text(pipe, ["a red cube", "a blue ball on green grass"], 16)
+    assert columns["prompt_embeds"].shape == (2, 16, 16) and columns["pooled_prompt_embeds"].shape == (2, 12)
+    assert columns["prompt_attention_mask"].sum(1).tolist() == [10, 16]
+    assert not torch.allclose(columns["prompt_embeds"][0, 2:10], columns["prompt_embeds"][1, 2:10])

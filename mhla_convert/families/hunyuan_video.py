@@ -29,6 +29,13 @@ GUIDANCE = 6.0  # HunyuanVideoPipeline's default embedded guidance (the model se
 TINY_TEMPLATE = {"template": "{}", "crop_start": 0}  # the tiny Llama reads the bare prompt, no system template
 
 
+def prompt_template(pipe) -> dict[str, Any] | None:
+    """The Llama prompt template for `pipe`'s text encoder: the pipeline's own (None: its default), or for the tiny
+    character-level one the bare prompt (the default template's 95 cropped tokens are far more characters, so the
+    prompt would be cut off)."""
+    return TINY_TEMPLATE if pipe.text_encoder.config.vocab_size == TINY_VOCAB else None
+
+
 class HunyuanVideoJointMHLA(JointMHLA):
     """`JointMHLA` called as HunyuanVideo's attention in both block kinds: (video, text, attention_mask=,
     image_rotary_emb=) → (video, text) outputs, the text through `to_add_out` in dual-stream blocks and unprojected in
@@ -173,7 +180,9 @@ class HunyuanVideoAdapter(FluxAdapter):
         return DiffusersAdapter.encode_latents(self, vae, pixels)  # the pipeline decodes latents / scaling_factor
 
     def encode_text(self, pipe, captions, max_length):
-        embeds, pooled, mask = pipe.encode_prompt(captions, device=pipe.device, max_sequence_length=max_length)
+        template = given(prompt_template=prompt_template(pipe))
+        embeds, pooled, mask = pipe.encode_prompt(captions, device=pipe.device, max_sequence_length=max_length,
+                                                  **template)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask}
 
     # --- sampling --------------------------------------------------------------------------
@@ -182,6 +191,6 @@ class HunyuanVideoAdapter(FluxAdapter):
         """Text to video; tiny models at TINY_VIDEO's size with 32 prompt tokens and no prompt template."""
         from ..train.components import is_tiny
 
-        tiny = dict(**TINY_VIDEO, max_sequence_length=32, prompt_template=TINY_TEMPLATE) if is_tiny(base) else {}
-        return {"prompt": prompt, **tiny,
+        tiny = dict(**TINY_VIDEO, max_sequence_length=32) if is_tiny(base) else {}
+        return {"prompt": prompt, **tiny, **given(prompt_template=prompt_template(pipe)),
                 **given(height=height, width=width, num_frames=num_frames, guidance_scale=guidance_scale)}
