@@ -32,9 +32,10 @@ def _interpreted() -> bool:
     return type(mhla_triton.K._readout_kernel).__name__ == "InterpretedFunction"
 
 
-# The joint text-image layers (FLUX, Qwen-Image) run `ops.joint` inline on the torch path and read the grid from the
-# model's inputs on the host (docs/converter.md, "MM-DiT"): not one custom op per layer, and a graph break at the hook
-JOINT = ("tiny-flux", "tiny-qwen-image")
+# The joint text-image layers (FLUX, Qwen-Image, HunyuanVideo) run `ops.joint` inline on the torch path, which breaks
+# the graph where it builds its exact-region tables; FLUX and Qwen-Image also read the grid from the model's inputs on
+# the host (docs/converter.md, "MM-DiT"): not one custom op per layer, and graph breaks
+JOINT = ("tiny-flux", "tiny-qwen-image", "tiny-hunyuanvideo")
 TINY = [name for _, cls in sorted(families().items()) for name in cls().tiny_configs() if name not in JOINT]
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
