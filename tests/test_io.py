@@ -16,6 +16,8 @@ GRIDS = {
     "tiny-wan": (5, 6, 7),
     "tiny-wan-i2v": (3, 4, 5),
     "tiny-wan2.2-ti2v": (3, 4, 5),
+    "tiny-hunyuanvideo": (3, 4, 5),
+    "tiny-flux": (5, 7),
     "tiny-dit": (6, 6),
     "tiny-pixart": (7, 9),
 }
