@@ -7,10 +7,11 @@ DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens), or wit
 `FluxTransformer2DModel` at 1024² and 2048² (64x64 and 128x128 packed tokens, 512 text tokens: joint text-image
 MHLA, torch path only, not yet timed here), or with --model hunyuanvideo a HunyuanVideo-shaped
 `HunyuanVideoTransformer3DModel` at 720p x 129 frames (33x45x80 = 118,800 video tokens, 256 text tokens; joint MHLA
-as FLUX's, not yet timed here); original vs converted to MHLA with the
-library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
+as FLUX's, not yet timed here), or with --model qwen-image a Qwen-Image-shaped `QwenImageTransformer2DModel` at
+1328² (83x83 packed tokens, 512 text tokens; joint MHLA as FLUX's, not yet timed here); original vs converted to
+MHLA with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
-    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|hunyuanvideo|wan-layer]
+    python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|hunyuanvideo|qwen-image|wan-layer]
         [--backend auto|torch|triton]
         [--compile]
         [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
@@ -67,6 +68,8 @@ TINY_FLUX = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2
 TINY_HUNYUANVIDEO = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
                          num_single_layers=2, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=12,
                          rope_axes_dim=(2, 2, 4))
+TINY_QWEN_IMAGE = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=8,
+                       num_attention_heads=2, joint_attention_dim=16, axes_dims_rope=(2, 2, 4))
 TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=3, rope_max_seq_len=32)
 TINY_SANA = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
@@ -343,6 +346,24 @@ def bench_hunyuanvideo(setup: Setup):
     return "tiny HunyuanVideo" if setup.tiny else "HunyuanVideo-shaped (class defaults), 720p x 129 frames", groups
 
 
+def bench_qwen_image(setup: Setup):
+    """Qwen-Image-shaped (the class defaults are its config) at 1328² (83x83 packed tokens) with 512 prompt tokens:
+    the original against every joint attention converted (8x8 image blocks, the family's exact region, the text read
+    exactly)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    with torch.device(setup.device):
+        model = QwenImageTransformer2DModel(**(TINY_QWEN_IMAGE if setup.tiny else {})).to(setup.dtype).eval()
+    cfg, text = model.config, 8 if setup.tiny else 512
+    side, blocks = (8, (2, 2)) if setup.tiny else (83, (8, 8))
+    x, prompt = setup.randn(1, side * side, cfg.in_channels), setup.randn(1, text, cfg.joint_attention_dim)
+    t, shapes = setup.randn(1).abs().clamp(max=1), [[(1, side, side)]]
+    variants = {f"original, {side}x{side} + {text} text tokens": model,
+                f"joint MHLA, M={blocks[0] * blocks[1]}": _converted(model, setup, blocks=blocks)}
+    groups = [_measure(variants, lambda m: m(x, prompt, None, t, shapes, return_dict=False), setup, alternate=True)]
+    return "tiny Qwen-Image" if setup.tiny else "Qwen-Image-shaped (class defaults), 1328²", groups
+
+
 def bench_dit(setup: Setup):
     from diffusers import DiTTransformer2DModel
 
@@ -391,7 +412,7 @@ def report(title: str, groups: list, setup: Setup) -> str:
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="wan", choices=("wan", "wan2.2-ti2v", "sana", "dit", "flux", "hunyuanvideo",
-                                                          "wan-layer"))
+                                                          "qwen-image", "wan-layer"))
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
@@ -419,7 +440,8 @@ def main(argv=None) -> str:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
     try:
         bench = {"wan": bench_wan, "wan2.2-ti2v": bench_wan, "sana": bench_sana, "dit": bench_dit,
-                 "flux": bench_flux, "hunyuanvideo": bench_hunyuanvideo, "wan-layer": bench_wan_layer}[args.model]
+                 "flux": bench_flux, "hunyuanvideo": bench_hunyuanvideo, "qwen-image": bench_qwen_image,
+                 "wan-layer": bench_wan_layer}[args.model]
         title, groups = bench(setup)
     finally:
         torch.set_num_threads(threads)

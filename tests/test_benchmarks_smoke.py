@@ -165,6 +165,13 @@ def test_wan_forward_tiny_hunyuanvideo(load):
     assert all(float(r[1].removesuffix(" ms")) > 0 for r in rows) and rows[0][2] == "1.00x"
 
 
+def test_wan_forward_tiny_qwen_image(load):
+    """Qwen-Image: original and every joint attention converted, over an 8x8 image token grid."""
+    rows = _table(load("wan_forward").main(["--tiny", "--model", "qwen-image"]))
+    assert [r[0].split(",")[0] for r in rows] == ["original", "joint MHLA"] and "8x8 + 8 text" in rows[0][0]
+    assert all(float(r[1].removesuffix(" ms")) > 0 for r in rows) and rows[0][2] == "1.00x"
+
+
 def test_wan_forward_tiny_kernel_profile(load, capsys):
     """--kernels: every variant in each mode gets its total and its N busiest kernels (CPU ops with --tiny)."""
     load("wan_forward").main(["--tiny", "--model", "dit", "--compile", "--kernels", "2"])
