@@ -50,7 +50,7 @@ logging: {{trackers: []}}
 @pytest.mark.parametrize(
     "family, video, size, blocks",
     [("dit", False, 32, "null"), ("sana", False, 16, "null"), ("wan", True, 64, "1x2x2"),
-     ("hunyuanvideo", True, 64, "1x2x2")],
+     ("hunyuanvideo", True, 64, "1x2x2"), ("qwen-image", False, 32, "null")],
 )
 def test_folder_is_encoded_once_and_reused(family, video, size, blocks, tmp_path, monkeypatch):
     root = _folder(tmp_path / "data", video)
