@@ -40,7 +40,7 @@ def test_image_rows_equal_the_host_where_every_image_block_is_exact(tiny):
     assert len(calls) == len(model.transformer_blocks)
 
 
-def test_mixing_has_a_text_block_and_reference_images_are_refused(tiny):
+def test_mixing_has_a_text_block_and_img_shapes_off_the_tokens_are_refused(tiny):
     model, adapter = tiny("tiny-qwen-image"), adapter_for_family("qwen-image")
     mhla_convert.convert(model, ratio=1.0)
     layer = mhla_convert.mhla_layers(model)[0][1]
@@ -48,4 +48,7 @@ def test_mixing_has_a_text_block_and_reference_images_are_refused(tiny):
     inputs = adapter.example_inputs(model, (4, 5), 1)
     inputs["img_shapes"] = [[(1, 4, 5), (1, 2, 2)]]  # an edit model's reference image after the target
     with pytest.raises(ValueError, match="one \\(1, H, W\\) image"):
+        model(**inputs)
+    inputs["img_shapes"] = [[(1, 4, 4)]]  # 16 of the 20 image tokens
+    with pytest.raises(ValueError, match="got 20 tokens but the model's last forward captured grid \\(4, 4\\)"):
         model(**inputs)

@@ -56,6 +56,7 @@ class QwenJointMHLA(JointMHLA):
         if attention_mask is not None or kwargs:
             raise ValueError("a Qwen-Image MHLA layer takes the text's encoder_hidden_states_mask only, no "
                              "attention_mask or further attention kwargs")
+        self.current_grid(hidden_states.shape[1])  # img_shapes must describe the image tokens
         mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
         return self.joint_forward(hidden_states, encoder_hidden_states, image_rotary_emb, mask)
 
