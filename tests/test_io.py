@@ -18,6 +18,7 @@ GRIDS = {
     "tiny-wan2.2-ti2v": (3, 4, 5),
     "tiny-hunyuanvideo": (3, 4, 5),
     "tiny-flux": (5, 7),
+    "tiny-qwen-image": (5, 7),
     "tiny-dit": (6, 6),
     "tiny-pixart": (7, 9),
 }
