@@ -49,7 +49,7 @@ def test_two_process_accelerate_launch(tmp_path):
     last = sorted((run / "checkpoints").iterdir())[-1]
     assert (last / "random_states_1.pkl").exists()  # two ranks saved their RNG state
     records = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, 21))
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 21))  # (not the transfer check's row)
     assert records[-1]["samples_per_s"] > 0 and (run / "model" / "mhla_config.json").exists()
 
 
