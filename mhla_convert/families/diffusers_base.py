@@ -30,17 +30,22 @@ class TokenGrid:
     """A forward pre-hook on the model that records the post-patch token grid of each call.
 
     Diffusers transformers compute the grid inside forward and never pass it to attention, so it
-    is read off the model input (B, C, [F,] H, W) and the patch size — never assumed square.
+    is read off the model input (B, C, [F,] H, W) and the patch size — never assumed square. Families whose
+    inputs are packed tokens override `read`.
     """
 
-    def __init__(self, patch_size: tuple[int, ...]):
+    def __init__(self, patch_size: tuple[int, ...] = ()):
         self.patch_size = patch_size
         self.grid: tuple[int, ...] | None = None
         self.context_parallel = None
 
-    def __call__(self, module, args, kwargs) -> None:
+    def read(self, args, kwargs) -> tuple[int, ...]:
+        """The post-patch token grid of the call with these forward arguments."""
         x = args[0] if args else kwargs["hidden_states"]
-        self.grid = tuple(size // p for size, p in zip(x.shape[-len(self.patch_size):], self.patch_size))
+        return tuple(size // p for size, p in zip(x.shape[-len(self.patch_size):], self.patch_size))
+
+    def __call__(self, module, args, kwargs) -> None:
+        self.grid = self.read(args, kwargs)
         # Under the model's `enable_parallelism(config=ContextParallelConfig(...))` (or `from_pretrained(...,
         # parallel_config=)`), diffusers' hooks cut the tokens across ranks after this hook: its set-up config, which
         # the layers then run `ops.context_parallel` with (`context_parallel_form`).

@@ -32,10 +32,7 @@ TEXT_PROJECTIONS = ("add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "n
 class FluxTokenGrid(TokenGrid):
     """The image token grid of each call, read off `img_ids` (one (row, column) id per packed token, row-major)."""
 
-    def __init__(self):
-        super().__init__(())
-
-    def __call__(self, module, args, kwargs) -> None:
+    def read(self, args, kwargs) -> tuple[int, int]:
         ids = kwargs.get("img_ids", args[4] if len(args) > 4 else None)
         if ids is None:
             raise ValueError("a FLUX model with MHLA layers reads its token grid from img_ids: pass img_ids, "
@@ -48,9 +45,18 @@ class FluxTokenGrid(TokenGrid):
             raise ValueError(f"MHLA layers need img_ids of one row-major token grid (FluxPipeline's "
                              f"_prepare_latent_image_ids); got {len(ids)} ids spanning {h}x{w} (reference images, "
                              "as in FLUX Kontext, are not supported)")
-        self.grid = (h, w)
-        parallel = getattr(module, "_parallel_config", None)
-        self.context_parallel = getattr(parallel, "context_parallel_config", None)
+        return h, w
+
+
+def replace_joint_attention(adapter: DiffusersAdapter, model, block: nn.Module, where: str, layer_class, config):
+    """`block.attn` (named `where`) checked by the adapter and replaced by `layer_class.from_joint_host`, reading the
+    model's token grid."""
+    adapter.check_host(block.attn, where)
+    layer = layer_class.from_joint_host(block.attn, config)
+    adapter.prepare(model)
+    layer.token_grid = getattr(model, GRID_ATTR)
+    block.attn = layer
+    return layer
 
 
 class JointMHLA(DiffusersMHLA):
@@ -165,12 +171,7 @@ class FluxAdapter(DiffusersAdapter):
         dual = len(model.transformer_blocks)
         block = model.transformer_blocks[index] if index < dual else model.single_transformer_blocks[index - dual]
         where = f"transformer_blocks.{index}.attn" if index < dual else f"single_transformer_blocks.{index - dual}.attn"
-        self.check_host(block.attn, where)
-        layer = self.layer_class.from_joint_host(block.attn, config)
-        self.prepare(model)
-        layer.token_grid = getattr(model, GRID_ATTR)
-        block.attn = layer
-        return layer
+        return replace_joint_attention(self, model, block, where, self.layer_class, config)
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         from diffusers import FluxPipeline

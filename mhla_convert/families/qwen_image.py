@@ -20,17 +20,14 @@ from torch import nn
 
 from ..layer import MHLAConfig
 from .base import UnsupportedModelError, register
-from .diffusers_base import GRID_ATTR, TINY_VOCAB, DiffusersAdapter, TokenGrid, given
-from .flux import JointMHLA
+from .diffusers_base import TINY_VOCAB, DiffusersAdapter, TokenGrid, given
+from .flux import JointMHLA, replace_joint_attention
 
 
 class QwenTokenGrid(TokenGrid):
     """The image token grid of each call, read off `img_shapes` (per sample, a list of (frames, rows, columns))."""
 
-    def __init__(self):
-        super().__init__(())
-
-    def __call__(self, module, args, kwargs) -> None:
+    def read(self, args, kwargs) -> tuple[int, int]:
         shapes = kwargs.get("img_shapes", args[4] if len(args) > 4 else None)
         if shapes is None:
             raise ValueError("a Qwen-Image model with MHLA layers reads its token grid from img_shapes: pass "
@@ -40,9 +37,7 @@ class QwenTokenGrid(TokenGrid):
             raise ValueError(f"MHLA layers need img_shapes of one (1, H, W) image, the same for every sample, as "
                              f"QwenImagePipeline passes; got {shapes} (the edit models' reference images are not "
                              "supported)")
-        self.grid = tuple(int(n) for n in first[0][1:])
-        parallel = getattr(module, "_parallel_config", None)
-        self.context_parallel = getattr(parallel, "context_parallel_config", None)
+        return tuple(int(n) for n in first[0][1:])
 
 
 class QwenJointMHLA(JointMHLA):
@@ -103,13 +98,8 @@ class QwenImageAdapter(DiffusersAdapter):
                                         "QwenDoubleStreamAttnProcessor2_0 only")
 
     def convert_layer(self, model, index: int, config: MHLAConfig) -> nn.Module:
-        block = model.transformer_blocks[index]
-        self.check_host(block.attn, f"transformer_blocks.{index}.attn")
-        layer = QwenJointMHLA.from_joint_host(block.attn, config)
-        self.prepare(model)
-        layer.token_grid = getattr(model, GRID_ATTR)
-        block.attn = layer
-        return layer
+        return replace_joint_attention(self, model, model.transformer_blocks[index], f"transformer_blocks.{index}.attn",
+                                       QwenJointMHLA, config)
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         """Packed latents, a prompt of 8 tokens whose later samples are padded (1, 2, … tokens masked)."""
