@@ -22,15 +22,15 @@ step() {  # step FILE COMMAND...: run COMMAND, its stdout and stderr to FILE
     > "$out/gpu_tests.txt" 2>&1 || failed=1
 workers=()
 "$py" -c "import xdist" > /dev/null 2>&1 && workers=(-n 8)
-gpu_tests=(tests/test_kernels.py tests/test_exact_triton.py tests/test_layer.py tests/test_llama.py tests/test_lm_cache.py
-    tests/test_decode_triton.py tests/test_compile.py tests/test_launch.py)
+gpu_tests=(tests/test_kernels.py tests/test_exact_triton.py tests/test_exact_blocks_triton.py tests/test_layer.py
+    tests/test_llama.py tests/test_gemma3.py tests/test_lm_cache.py tests/test_decode_triton.py tests/test_compile.py
+    tests/test_launch.py)
 echo "== pytest ${gpu_tests[*]} >> gpu_tests.txt"
 "$py" -m pytest -q ${workers[@]+"${workers[@]}"} -rf -p no:cacheprovider "${gpu_tests[@]}" >> "$out/gpu_tests.txt" 2>&1 \
     || { echo "   failed"; failed=1; }
 
 step kernel_breakdown.txt "$py" benchmarks/kernel_breakdown.py
 step attention_op.log "$py" benchmarks/attention_op.py --out "$out/attention_op"
-step decode_step.txt "$py" benchmarks/decode_step.py
 step exact_prefill.txt "$py" benchmarks/exact_prefill.py
 step host_overhead.txt "$py" benchmarks/host_overhead.py
 : > "$out/whole_models.txt"
