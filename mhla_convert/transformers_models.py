@@ -45,15 +45,21 @@ except ModuleNotFoundError as error:
 '''
 
 
+def conversion_record(config) -> dict:
+    """The config's `mhla` record, which a converted LM is rebuilt from; one line naming the fix if it has none."""
+    meta = getattr(config, "mhla", None)
+    if not meta:
+        raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
+                         "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
+    return meta
+
+
 class ConvertedCausalLM:
     """What a converted LM class adds to its base class (placed first among the bases)."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        meta = getattr(config, "mhla", None)
-        if not meta:
-            raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
-                             "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
+        meta = conversion_record(config)
         from .io import recorded_source, redo_plan
         from .locations import SOURCE_ATTR
 
@@ -112,10 +118,7 @@ class ConvertedBaseModel:
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        meta = getattr(config, "mhla", None)
-        if not meta:
-            raise ValueError(f"this {type(config).__name__} has no 'mhla' conversion record, so the converted "
-                             "model cannot be rebuilt from it; load the checkpoint with mhla_convert.from_pretrained")
+        meta = conversion_record(config)
         from .convert import PLAN_ATTR
         from .families import adapter_for_family
         from .io import recorded_source
