@@ -36,7 +36,7 @@ def layer_reference_error(model, inputs, grid) -> float:
         q, k, v = layer.project(x, None if rope is None else layer.rotary(*rope))
         cfg = layer.config
         ref = mhla_attention_reference(
-            q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=cfg.feature_map, scale=cfg.scale,
+            q, k, v, layer.mixing, grid=grid, blocks=cfg.blocks, feature_map=layer.phi, scale=cfg.scale,
             eps=cfg.eps, exact_radius=cfg.exact_radius,
         )
         return (layer.output(ref) - seen["out"]).abs().max().item()

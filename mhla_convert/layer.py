@@ -25,6 +25,7 @@ from .mixing import (
 from .ops import DecodeState, mhla_attention
 from .ops.blocks import as_axes, whole_number
 from .ops.exact_blocks import exact_mask, exact_radius_axes
+from .ops.feature_maps import LEARNED_FEATURE_MAPS
 from .ops.mhla import check_options
 
 # (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
@@ -47,6 +48,8 @@ class MHLAConfig:
     far_init: with an exact region, the initial mixing weight of what lies outside it, relative to the region's 1
         and shaped by `mixing_init` (mixing.region_mixing): 0 starts as the host's attention cut to the region;
         conversion with calibration data fits it per layer (calibrate.py).
+    feature_map: φ of the linear part: "relu", "elu" (elu + 1), or "hedgehog", learned per key head
+        (ops.feature_maps.HedgehogFeatureMap, new weights the layer owns as `feature_map`; torch paths only).
     rope: "before_feature_map" rotates q and k with the host's RoPE, then applies φ — the
         operator's exact semantics, weights stay non-negative; "none" ignores the host's RoPE.
     output_norm: per-head RMSNorm on the attention output (new parameters, weight 1).
@@ -160,7 +163,21 @@ class MHLAttention(nn.Module):
         self.norm_q = nn.RMSNorm(norm_dim[0], eps=1e-6) if norm_dim else nn.Identity()
         self.norm_k = nn.RMSNorm(norm_dim[1], eps=1e-6) if norm_dim else nn.Identity()
         self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if config.output_norm else nn.Identity()
-        self.mixing = nn.Parameter(self._initial_mixing(), requires_grad=config.learnable_mixing)
+        self.new_parameters()
+
+    def new_parameters(self, device=None, dtype=None) -> None:
+        """(Re)create what conversion adds to the host's weights, on `device`: the mixing (float32) and, for a
+        learned feature map, its weights (in `dtype`)."""
+        cfg = self.config
+        self.mixing = nn.Parameter(self._initial_mixing().to(device), requires_grad=cfg.learnable_mixing)
+        learned = LEARNED_FEATURE_MAPS.get(cfg.feature_map)
+        if learned is not None:
+            self.feature_map = learned(self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
+
+    @property
+    def phi(self):
+        """The feature map as the operators take it: the config's name, or this layer's learned module."""
+        return self.feature_map if self.config.feature_map in LEARNED_FEATURE_MAPS else self.config.feature_map
 
     @property
     def has_region(self) -> bool:
@@ -225,7 +242,7 @@ class MHLAttention(nn.Module):
 
     def _op_options(self) -> dict:
         cfg = self.config
-        options = dict(feature_map=cfg.feature_map, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
+        options = dict(feature_map=self.phi, normalize=cfg.normalize, scale=cfg.scale, eps=cfg.eps)
         return options if cfg.exact_radius is None else {**options, "exact_radius": cfg.exact_radius}
 
     def attend(self, q, k, v, grid=None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -276,7 +293,7 @@ class MHLAttention(nn.Module):
             raise ValueError("decode() is for causal MHLA layers")
         if state is None:
             out, k, v, lengths = self.attend_real(q, k, v, key_mask)
-            return out, DecodeState.from_prompt(k, v, lengths, cfg)
+            return out, DecodeState.from_prompt(k, v, lengths, cfg, feature_map=self.phi)
         return state.steps(q, k, v, key_mask, self.mixing, cfg), state
 
     def forward(self, x: torch.Tensor, grid=None, rotary: Rotary | None = None) -> torch.Tensor:

@@ -100,9 +100,7 @@ class DiffusersMHLA(MHLAttention):
         if has_norm:
             layer.norm_q, layer.norm_k = host.norm_q, host.norm_k
         weight = host.to_q.weight
-        layer.mixing = nn.Parameter(  # float32 whatever the model's dtype, as an LM's (placement.py)
-            layer._initial_mixing().to(weight.device), requires_grad=config.learnable_mixing
-        )
+        layer.new_parameters(weight.device, weight.dtype)  # mixing in float32 whatever the model's (placement.py)
         for module in layer.out_norm.modules():  # a new output norm: identity at init
             module.to_empty(device=weight.device, recurse=False)
             if hasattr(module, "reset_parameters"):

@@ -79,10 +79,10 @@ class MHLALlamaAttention(MHLAttention):
         self.to_q, self.to_k, self.to_v, self.to_out = host.q_proj, host.k_proj, host.v_proj, host.o_proj
         if qk_norm:
             self.norm_q, self.norm_k = host.q_norm, host.k_norm
-        device = host.q_proj.weight.device
+        weight = host.q_proj.weight
         if config.output_norm:
-            self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6, device=device)
-        self.mixing = nn.Parameter(self._initial_mixing().to(device), requires_grad=config.learnable_mixing)
+            self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6, device=weight.device)
+        self.new_parameters(weight.device, weight.dtype)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None,
                 **kwargs):
@@ -102,7 +102,7 @@ class MHLALlamaAttention(MHLAttention):
             out = slot.decode(q, k, v, real, self.mixing, self.config)
         else:  # the prompt
             out, k, v, lengths = self.attend_real(q, k, v, real)
-            slot.prefill(k, v, lengths, self.config, tokens=q.shape[1])
+            slot.prefill(k, v, lengths, self.config, tokens=q.shape[1], feature_map=self.phi)
         return self.output(out), None
 
 

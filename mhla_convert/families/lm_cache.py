@@ -50,10 +50,12 @@ class _MHLASlot:
             "call a softmax teacher without a cache (or with its own)"
         )
 
-    def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, config: MHLAConfig, tokens: int):
+    def prefill(self, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, config: MHLAConfig, tokens: int,
+                feature_map=None):
         """Start from a prompt: k, v (B, N, H_kv, D) hold each row's `lengths` real tokens first;
-        `tokens` is the number of cache positions the call consumed (padding included)."""
-        state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state)
+        `tokens` is the number of cache positions the call consumed (padding included); `feature_map`: the
+        layer's (`MHLAttention.phi`)."""
+        state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state, feature_map=feature_map)
         if state is not self.state:
             self.state = state
             self._allocated(state)

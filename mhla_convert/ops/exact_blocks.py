@@ -27,7 +27,7 @@ import torch
 
 from .blocks import BlockLayout, whole_number
 from .exact_local import read_window
-from .feature_maps import drop_keys
+from .feature_maps import key_features
 
 
 def exact_radius_axes(radius, axes: int) -> tuple[int, ...]:
@@ -84,7 +84,7 @@ def mhla_attention_exact_blocks_torch(q, k, v, mixing, layout: BlockLayout, *, e
 
     # blocks outside the neighbourhood: mixed key–value summaries, as in plain MHLA
     qf = layout.to_blocks(phi(q.to(acc)) * scale).view(batch, kv_heads, groups, m, t, -1)
-    kf = layout.to_blocks(phi(drop_keys(k, key_mask).to(acc)))  # (B, H_kv, M, T, D)
+    kf = layout.to_blocks(key_features(phi, k.to(acc), key_mask))  # (B, H_kv, M, T, D)
     vb = layout.to_blocks(v.to(acc))  # (B, H_kv, M, T, Dv)
     far = mix.masked_fill(exact_mask(layout.blocks, exact_radius, q.device), 0.0)
     num, den = far_reads(qf, *block_summaries(kf, vb), far)

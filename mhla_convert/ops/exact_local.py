@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import BlockLayout
-from .feature_maps import drop_keys
+from .feature_maps import key_features
 
 
 def _grouped(x: torch.Tensor, kv_heads: int, groups: int) -> torch.Tensor:
@@ -72,7 +72,7 @@ def mhla_attention_exact_local_torch(
 
     # far chunks (distance ≥ L): mixed key–value summaries, as in plain MHLA
     qf = layout.to_blocks(phi(q.to(acc)) * scale).view(batch, kv_heads, groups, m, t, -1)
-    kf = layout.to_blocks(phi(drop_keys(k, key_mask).to(acc))).unsqueeze(2)
+    kf = layout.to_blocks(key_features(phi, k.to(acc), key_mask)).unsqueeze(2)
     vb = layout.to_blocks(v.to(acc))  # (B, H_kv, M, T, Dv)
     far = mix.tril(-exact_chunks)
     s = kf.transpose(-1, -2) @ vb.unsqueeze(2)

@@ -29,7 +29,14 @@ from .blocks import BlockLayout, as_axes
 from .dispatch import available_backends, select, traced_of
 from .exact_blocks import exact_radius_axes
 from .exact_op import exact_attention
-from .feature_maps import FEATURE_MAPS, FeatureMap, drop_keys, resolve_feature_map
+from .feature_maps import (
+    FEATURE_MAPS,
+    LEARNED_FEATURE_MAPS,
+    FeatureMap,
+    check_feature_map,
+    drop_keys,
+    resolve_feature_map,
+)
 from .library import backend_grads, empty_grads, register_recompute_autograd
 
 Backend = Literal["auto", "torch", "triton"]
@@ -41,7 +48,7 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 def check_options(*, feature_map, normalize, scale, eps, backend) -> None:
     """Refuse operator options that would fail at the first call or give silently wrong numbers
     (a negative eps or scale flips or blows up the normaliser)."""
-    resolve_feature_map(feature_map)
+    check_feature_map(feature_map)
     if not isinstance(normalize, bool):
         raise ValueError(f"normalize must be true or false; got {normalize!r}")
     if scale is not None and not (_real(scale) and scale > 0 and math.isfinite(scale)):
@@ -120,7 +127,7 @@ def mhla_attention(
         causal: causal attention over a 1-D grid; blocks are then chunks.
         chunk_size: causal only, instead of `blocks`: chunks of exactly this many tokens, so
             chunk boundaries stay put as the sequence grows (what decoding needs).
-        feature_map: "relu", "elu" (elu + 1) or a callable.
+        feature_map: "relu", "elu" (elu + 1) or a callable, such as a layer's learned `HedgehogFeatureMap`.
         normalize: divide by Σ_s w_ts + eps; False returns the numerator alone.
         scale: multiplies φ(q)·φ(k); default D ** -0.5.
         exact_chunks: causal only: the query's own chunk and the `exact_chunks − 1` before it are read
@@ -154,6 +161,9 @@ def mhla_attention(
         radius = exact_radius_axes(exact_radius, len(layout.grid))
         return exact_attention(q, k, v, mixing, layout, causal=False, exact=radius, feature_map=feature_map, phi=phi,
                                scale=scale, eps=eps, key_mask=key_mask, backend=backend)
+    if key_mask is not None and isinstance(feature_map, tuple(LEARNED_FEATURE_MAPS.values())):
+        raise ValueError("key_mask with a learned feature map needs an exact region (exact_chunks / exact_radius): "
+                         "plain MHLA drops padded keys the fixed maps' way")
     k = drop_keys(k, key_mask)
     if torch.compiler.is_compiling() and isinstance(feature_map, str):
         out = _traced_inference(q, k, v, mixing, layout, causal=causal, phi=phi, feature_map=feature_map,

@@ -71,6 +71,7 @@ class DecodeState:
 
     def __init__(self, batch: int, kv_heads: int, dim: int, dv: int, *, chunk_size: int, window: int,
                  feature_map, dtype: torch.dtype, device: torch.device, exact_chunks: int = 0):
+        """`dim`: the keys' size; the summaries' is φ's (`features` of a learned map, else `dim`)."""
         acc = torch.promote_types(dtype, torch.float32)
         self.chunk_size, self.window, self.keep = chunk_size, window, max(window - 2, 0)
         # exact chunks: the window (≤ L·C tokens) must survive a rollback (< 2·C tokens) whose rejected tokens
@@ -78,15 +79,16 @@ class DecodeState:
         self.exact_chunks, self.slots = exact_chunks, (exact_chunks + 2 if exact_chunks else 2) * chunk_size
         self.feature_map = feature_map
         self.phi = resolve_feature_map(feature_map)
+        features = getattr(self.phi, "features", dim)
 
         def zeros(*shape, dtype=acc):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.position = zeros(batch, dtype=torch.long)
-        self.cur_s, self.cur_z = zeros(batch, kv_heads, dim, dv), zeros(batch, kv_heads, dim)
-        self.recent_s = zeros(batch, kv_heads, self.keep, dim, dv)
-        self.recent_z = zeros(batch, kv_heads, self.keep, dim)
-        self.far_s, self.far_z = zeros(batch, kv_heads, dim, dv), zeros(batch, kv_heads, dim)
+        self.cur_s, self.cur_z = zeros(batch, kv_heads, features, dv), zeros(batch, kv_heads, features)
+        self.recent_s = zeros(batch, kv_heads, self.keep, features, dv)
+        self.recent_z = zeros(batch, kv_heads, self.keep, features)
+        self.far_s, self.far_z = zeros(batch, kv_heads, features, dv), zeros(batch, kv_heads, features)
         self.back_recent_s, self.back_recent_z = torch.zeros_like(self.recent_s), torch.zeros_like(self.recent_z)
         self.back_far_s, self.back_far_z = torch.zeros_like(self.far_s), torch.zeros_like(self.far_z)
         self.back_valid = zeros(batch, dtype=torch.bool)
@@ -96,11 +98,12 @@ class DecodeState:
 
     @classmethod
     def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, config: MHLAConfig,
-                    reuse: DecodeState | None = None) -> DecodeState:
+                    reuse: DecodeState | None = None, feature_map=None) -> DecodeState:
         """A state started from a prompt of keys k (B, N, H_kv, D) and values v (B, N, H_kv, Dv) that hold each row's
         `lengths` real tokens first, for a causal layer of `config`: `reuse`, restarted in place where it fits (a
-        static cache's), else a new one."""
-        settings = dict(chunk_size=config.chunk_size, window=config.window, feature_map=config.feature_map,
+        static cache's), else a new one. `feature_map`: the layer's (`MHLAttention.phi`), if not the config's."""
+        feature_map = config.feature_map if feature_map is None else feature_map
+        settings = dict(chunk_size=config.chunk_size, window=config.window, feature_map=feature_map,
                         exact_chunks=config.exact_chunks)
         state = reuse
         if state is None or not state.fits(k, v, **settings):
@@ -243,7 +246,7 @@ class DecodeState:
     def _terms(self, q, k, v, relative, *, scale: float):
         """One token's linear read of the summaries, unnormalised: numerator (B, H_kv, g, 1, Dv) and denominator
         (B, H_kv, g, 1, 1) in the state's dtype; and the open chunk's summary and z with the token added."""
-        batch, _, heads, dim = q.shape
+        batch, _, heads, _ = q.shape
         kv_heads = k.shape[2]
         groups = heads // kv_heads
         acc = self.cur_s.dtype
@@ -265,8 +268,8 @@ class DecodeState:
             past = (w_recent @ recent.flatten(3).unsqueeze(2)).squeeze(-2) if self.keep else 0.0
             return past + w_far * far.flatten(2).unsqueeze(2) + w_self * cur.flatten(2).unsqueeze(2)
 
-        fq = (self.phi(q[:, 0].to(acc)) * scale).view(batch, kv_heads, groups, 1, dim)
-        num = fq @ mixed(recent_s, far_s, cur_s).unflatten(-1, (dim, -1))
+        fq = (self.phi(q[:, 0].to(acc)) * scale).view(batch, kv_heads, groups, 1, -1)
+        num = fq @ mixed(recent_s, far_s, cur_s).unflatten(-1, (fq.shape[-1], -1))
         den = fq @ mixed(recent_z, far_z, cur_z).unsqueeze(-1)
         return num, den, cur_s, cur_z
 
