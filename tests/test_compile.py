@@ -49,14 +49,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _converted(tiny, name, device="cpu"):
-    """A converted tiny model with non-trivial mixing, and its inputs: a small uneven grid (diffusers) or 70
-    tokens (LMs: chunks of 16, so past the exact window of 2 chunks; no generation cache, whose first
-    allocation happens in eager code), batch 2."""
+def _converted(tiny, name, device="cpu", **options):
+    """A converted tiny model (the family's defaults, updated by `options`) with non-trivial mixing, and its inputs:
+    a small uneven grid (diffusers) or 70 tokens (LMs: chunks of 16, so past the exact window of 2 chunks; no
+    generation cache, whose first allocation happens in eager code), batch 2."""
     torch.manual_seed(0)
     model = tiny(name, device=device)
     causal = adapter_for_model(model).causal
-    mhla_convert.convert(model, ratio=0.67, **({"chunk_size": 16} if causal else {}))
+    mhla_convert.convert(model, ratio=0.67, **({"chunk_size": 16} if causal else {}), **options)
     with torch.no_grad():
         for _, layer in mhla_convert.mhla_layers(model):
             layer.mixing.mul_(torch.rand_like(layer.mixing))
@@ -444,12 +444,12 @@ def test_backend_choice_traces_without_a_graph_break():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-dit", "tiny-sana", "tiny-wan"])
 def test_cuda_inductor_launches_the_inference_kernels_itself(name, tiny):
-    """Compiled for inference in inductor's default mode, a converted diffusion model's MHLA layers are the triton
-    op `attention_inference`: the generated code launches the kernels itself, never calls the opaque op, and gives
-    eager's outputs."""
+    """Compiled for inference in inductor's default mode, a converted diffusion model's plain MHLA layers (no exact
+    region, which is one opaque op) are the triton op `attention_inference`: the generated code launches the kernels
+    itself, never calls the opaque op, and gives eager's outputs."""
     from torch._inductor.utils import run_and_get_code
 
-    model, inputs = _converted(tiny, name, device="cuda")
+    model, inputs = _converted(tiny, name, device="cuda", exact_radius=None)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
