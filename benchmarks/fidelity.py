@@ -150,8 +150,17 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
         "full-distill": ("full MHLA, fine-tuned by distillation", {"ratio": 1.0}, True, {"distill": 1.0}),
         "softmax": ("original, fine-tuned alike", {"ratio": 0.0}, False, {}),
     }
-    lm_variants = {**shared, "full-no-exact": ("full MHLA, no exact chunks (the paper's form)",
-                                               {"ratio": 1.0, "options": {"exact_chunks": 0}}, True, {})}
+    hedgehog = {"feature_map": "hedgehog"}
+    lm_variants = {
+        **shared,
+        "full-no-exact": ("full MHLA, no exact chunks (the paper's form)",
+                          {"ratio": 1.0, "options": {"exact_chunks": 0}}, True, {}),
+        "full-hedgehog": ("full MHLA, learned Hedgehog feature map", {"ratio": 1.0, "options": hedgehog}, True, {}),
+        "full-hedgehog-heads": ("full MHLA, Hedgehog, mixing per head",
+                                {"ratio": 1.0, "options": {**hedgehog, "per_head_mixing": True}}, True, {}),
+        "full-hedgehog-distill": ("full MHLA, Hedgehog, fine-tuned by distillation",
+                                  {"ratio": 1.0, "options": hedgehog}, True, {"distill": 1.0}),
+    }
     dit_variants = {
         **shared,
         "full-own-block": ("full MHLA, exact own block only", {"ratio": 1.0, "options": {"exact_radius": 0}}, True,
@@ -300,7 +309,8 @@ def has_region(name: str, mini: Miniature) -> bool:
     """Whether every layer of a variant reads the shipped exact region (so the truncation control is its own)."""
     _, section, _, _ = mini.variants[name]
     kind = section.get("attention", "mhla")
-    return section["ratio"] == 1 and kind in ("mhla", "local") and not section.get("options")
+    region_options = {"exact_chunks", "exact_radius"}
+    return section["ratio"] == 1 and kind in ("mhla", "local") and not region_options & set(section.get("options", {}))
 
 
 def summarise(results: dict, minis: dict[str, Miniature], args) -> dict:
