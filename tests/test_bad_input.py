@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 import mhla_convert
 from mhla_convert import convert, mhla_attention, tiny_model
 from mhla_convert.cli import app
+from mhla_convert.families import adapter_for_family
 from mhla_convert.ops.blocks import BlockLayout
 from mhla_convert.train import TrainError
 
@@ -283,6 +284,10 @@ def checkpoints(tmp_path_factory):
         model = tiny_model(name)
         convert(model, ratio=0.5)
         paths[name] = mhla_convert.save_pretrained(model, root / name)
+    dit = adapter_for_family("dit")
+    model = dit.build({**dit.tiny_config(), "num_embeds_ada_norm": 10})  # too few classes for DiTPipeline's guidance
+    convert(model, ratio=0.5)
+    paths["dit-10-classes"] = mhla_convert.save_pretrained(model, root / "dit-10-classes")
     return paths
 
 
@@ -300,6 +305,8 @@ SAMPLE = [
     ("tiny-dit", ["--num-frames", "5"], "png", ["--num-frames is for video checkpoints"]),
     ("tiny-dit", ["--guidance-scale", "-1"], "png", ["--guidance-scale must be a finite number ≥ 0"]),
     ("tiny-dit", ["--guidance-scale", "nan"], "png", ["--guidance-scale must be a finite number ≥ 0"]),
+    ("dit-10-classes", ["--guidance-scale", "4"], "png", ["--guidance-scale 4.0: the pipeline guides with class 1000",
+                                                          "10-class checkpoint lacks", "use --guidance-scale 1"]),
     ("tiny-dit", ["--height", "0"], "png", ["--height must be a whole number ≥ 1"]),
     ("tiny-llama", ["--max-new-tokens", "0"], "txt", ["--max-new-tokens must be a whole number ≥ 1"]),
     ("tiny-dit", ["--seed", "-1"], "png", ["--seed must be a whole number ≥ 0; got -1"]),

@@ -17,6 +17,7 @@ NULL_CLASS = 1000  # DiTPipeline's class for unconditional guidance (ImageNet's 
 @register
 class DiTAdapter(DiffusersAdapter):
     name = "dit"
+    null_class = NULL_CLASS  # DiTPipeline guides with this class label
     model_classes = ("DiTTransformer2DModel",)
     aliases = {"dit-xl-2-256": "facebook/DiT-XL-2-256", "dit-xl-2-512": "facebook/DiT-XL-2-512"}
     pipeline_class = "DiTPipeline"

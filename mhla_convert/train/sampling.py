@@ -101,6 +101,10 @@ def check_sample_options(adapter, skeleton, out: Path, *, prompt, class_label, s
                          f"(0 … {classes - 1}), not --prompt")
     if class_label is not None and (whole_number(class_label) is None or not 0 <= class_label < classes):
         raise TrainError(f"--class-label must be a class of this checkpoint, 0 … {classes - 1}; got {class_label!r}")
+    null = getattr(adapter, "null_class", None)  # the class label a class-conditional pipeline guides with
+    if null is not None and classes is not None and classes < null and (guidance_scale or 0) > 1:
+        raise TrainError(f"--guidance-scale {guidance_scale}: the pipeline guides with class {null} as its null class, "
+                         f"which this {classes}-class checkpoint lacks; use --guidance-scale 1 (no guidance)")
     if num_frames is not None and adapter.sample_kind != "video":
         raise TrainError(f"--num-frames is for video checkpoints (Wan); this {adapter.name} checkpoint samples "
                          f"{adapter.sample_kind}")
