@@ -217,11 +217,13 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
     summary = json.loads((tmp_path / "fidelity_summary.json").read_text())
     assert summary["dit"]["tokens"] >= 256
     lm, dit = summary["lm"]["variants"], summary["dit"]["variants"]
-    assert {"full", "window", "linear", "softmax", "full-distill", "full-no-exact", "hybrid-auto"} <= set(lm)
+    assert {"full", "window", "linear", "softmax", "full-distill", "full-no-exact", "hybrid-auto", "full-hedgehog",
+            "full-hedgehog-distill"} <= set(lm)
     assert {"full", "local", "linear", "softmax", "full-distill", "full-own-block", "full-no-exact"} <= set(dit)
     for row in (*lm.values(), *dit.values()):
         assert {"step0", "truncation", "transfer", "final"} <= set(row) and isinstance(row["final"], float)
     assert lm["full"]["truncation"] == lm["window"]["step0"] and dit["full"]["truncation"] == dit["local"]["step0"]
+    assert lm["full-hedgehog"]["truncation"] == lm["window"]["step0"]  # (the same exact region, another φ)
     assert lm["softmax"]["transfer"] is None and lm["linear"]["truncation"] is None
     assert set(summary["lm"]["recall"]) >= {"original", "window", "full"}
     levels = summary["dit"]["by_noise_level"]
