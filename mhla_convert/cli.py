@@ -130,7 +130,8 @@ def convert_command(
         "synthetic, latents, an image/video folder or text."),
     calibration_batches: int = typer.Option(4, help="With --calibration: how many examples (one per batch)."),
     fit_steps: int = typer.Option(0, help="--strategy auto: Adam steps fitting each layer to its original first."),
-    layers: Optional[str] = typer.Option(None, help="Explicit layer indices, e.g. 1,4,7 (overrides --ratio)."),
+    layers: Optional[str] = typer.Option(
+        None, help="Explicit layer indices, e.g. 1,4,7, or a layer type like sliding_attention (overrides --ratio)."),
     attention: str = typer.Option(
         "mhla", help="mhla; linear: plain linear attention (one block / window 1); local: the original's softmax "
         "cut to the exact region (a control)."),
@@ -173,8 +174,9 @@ def convert_command(
     from .plan import AUTO_NEEDS_CALIBRATION
 
     try:  # check every option before a possibly long download
-        options = dict(layers=_int_list(layers, "--layers", "layer indices", "1,4,7"), blocks=blocks,
-                       attention=attention)
+        named = layers is not None and layers.strip().isidentifier()  # a layer type
+        options = dict(layers=layers.strip() if named else _int_list(layers, "--layers", "layer indices", "1,4,7"),
+                       blocks=blocks, attention=attention)
         if mixing_init is not None:
             options["mixing_init"] = _number_or_name(mixing_init)
         if exact_radius is not None:

@@ -14,7 +14,7 @@ from .families import adapter_for_model
 from .layer import MHLAConfig
 from .ops.blocks import whole_number
 from .options import check_options, parse_blocks, resolve_config
-from .plan import AUTO_NEEDS_CALIBRATION, plan_layers
+from .plan import AUTO_NEEDS_CALIBRATION, layers_of_type, plan_layers
 from .sensitivity import layer_sensitivity
 
 __all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
@@ -98,6 +98,8 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
                                 **mhla_options)
     config = check_conversion(model, ratio=ratio, strategy=strategy, layers=layers, blocks=blocks,
                               attention=attention, **mhla_options)
+    if isinstance(layers, str):  # a layer type's name
+        layers = layers_of_type(model, layers)
     adapter = adapter_for_model(model)
     num_layers = len(adapter.attention_modules(model))
     auto = layers is None and strategy == "auto"
@@ -146,6 +148,8 @@ def check_conversion(model: nn.Module, *, ratio: float = 1.0, strategy: str = "s
     if (getattr(model, PLAN_ATTR, None) or {}).get("layers"):  # a plan of no layers is the original
         raise ValueError("this model is already converted; load the original to convert it again")
     num_layers = len(adapter.attention_modules(model))
+    if isinstance(layers, str):  # a layer type's name
+        layers = layers_of_type(model, layers)
     if layers is not None:
         plan_layers(num_layers, layers=layers)
     config = resolve_config(adapter, model, attention=attention, blocks=blocks, **mhla_options)

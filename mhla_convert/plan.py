@@ -21,15 +21,29 @@ def check_selection(ratio: float, strategy: str) -> None:
         raise ValueError(f"strategy must be one of {list(STRATEGIES)}; got {strategy!r}")
 
 
-def parse_layers(layers) -> list[int] | None:
-    """Layer indices as a list of whole numbers ≥ 0 (1.7 is refused, never read as 1); None stays."""
-    if layers is None:
-        return None
+def parse_layers(layers) -> list[int] | str | None:
+    """Layer indices as a list of whole numbers ≥ 0 (1.7 is refused, never read as 1); a layer type's name
+    ("sliding_attention") stays, for `layers_of_type` once the model is known; None stays."""
+    if layers is None or (isinstance(layers, str) and layers.isidentifier()):
+        return layers
     iterable = hasattr(layers, "__iter__") and not isinstance(layers, (str, bytes, dict))
     out = [whole_number(i) for i in layers] if iterable else [None]
     if None in out or any(i < 0 for i in out):
-        raise ValueError(f"layers must be a list of layer indices (whole numbers ≥ 0) like [1, 4, 7]; got {layers!r}")
+        raise ValueError(f"layers must be a list of layer indices (whole numbers ≥ 0) like [1, 4, 7], or a layer "
+                         f"type of the model's config.layer_types like 'sliding_attention'; got {layers!r}")
     return out
+
+
+def layers_of_type(model, layer_type: str) -> list[int]:
+    """The indices of `model`'s layers whose `config.layer_types` entry is `layer_type` (Gemma 3's
+    "sliding_attention" and "full_attention"); `convert(model, layers="sliding_attention")` converts one kind."""
+    types = list(getattr(model.config, "layer_types", None) or [])
+    if not types:
+        raise ValueError(f"layers={layer_type!r} names a layer type, but this model's config has no layer_types: "
+                         "give layer indices like [1, 4, 7]")
+    if layer_type not in types:
+        raise ValueError(f"no layer of type {layer_type!r}: this model's layer types are {sorted(set(types))}")
+    return [i for i, kind in enumerate(types) if kind == layer_type]
 
 
 def plan_layers(num_layers: int, *, ratio: float = 1.0, strategy: str = "spread", layers=None,

@@ -13,11 +13,11 @@ import mhla_convert
 from mhla_convert.convert import convert
 from mhla_convert.families import adapter_for_family, adapter_for_model
 from mhla_convert.families.gemma3 import MHLAGemma3Attention
-from mhla_convert.families.llama import layers_of_type
 from mhla_convert.families.lm_cache import MHLAStaticLayer, MHLAStaticSlidingLayer
 from mhla_convert.mixing import toeplitz_causal_mixing
 from mhla_convert.ops import mhla_attention_reference
 from mhla_convert.ops.rotary import HalfSplitRotary
+from mhla_convert.plan import layers_of_type
 
 ADAPTER = adapter_for_family("gemma3")
 C = 8  # chunk size: a 40-token prompt spans 5 chunks
@@ -45,6 +45,25 @@ def test_tiny_model_has_both_kinds_and_the_family():
     assert model.config.query_pre_attn_scalar != model.config.head_dim  # the score scale is not 1/√D
     with pytest.raises(ValueError, match="layer types are"):
         layers_of_type(model, "chunked_attention")
+
+
+def test_a_layer_type_by_name_on_the_command_line_and_in_recipes(tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert.cli import app
+    from mhla_convert.train.recipe import parse_recipe
+
+    out = tmp_path / "global"
+    result = CliRunner().invoke(app, ["tiny-gemma3", "--layers", FULL, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert mhla_convert.from_pretrained(out).mhla_plan["layers"] == [2, 3]
+    recipe = parse_recipe(f"model: {{name: tiny-gemma3}}\nconversion: {{layers: {SLIDING}}}\n"
+                          "data: {kind: synthetic}\nstages: [{name: finetune, steps: 1}]\n")
+    assert recipe.conversion.layers == SLIDING
+    with pytest.raises(ValueError, match="config has no layer_types: give layer indices"):
+        convert(mhla_convert.tiny_model("tiny-dit"), layers=SLIDING)
+    with pytest.raises(ValueError, match="layers must be a list of layer indices"):
+        convert(tiny(), layers="sliding attention")
 
 
 @pytest.mark.parametrize("index", [0, 2], ids=[SLIDING, FULL])
@@ -122,9 +141,8 @@ def test_each_kind_converts_alone_and_decodes(kind):
     """Greedy generate() with a static cache equals the dynamic cache and no cache at all; the converted slots
     replace the host's (sliding or not) and the softmax layers keep theirs."""
     model = tiny()
-    layers = None if kind is None else layers_of_type(model, kind)
-    report = convert(model, layers=layers, ratio=1.0, chunk_size=C)
-    assert report.converted == (layers or [0, 1, 2, 3])
+    report = convert(model, layers=kind, ratio=1.0, chunk_size=C)  # a layer type by name
+    assert report.converted == ([0, 1, 2, 3] if kind is None else layers_of_type(tiny(), kind))
     prompt = ids()
     dynamic = generate(model, prompt)
     static = generate(model, prompt, cache_implementation="static")

@@ -106,15 +106,6 @@ class MHLALlamaAttention(MHLAttention):
         return self.output(out), None
 
 
-def layers_of_type(model: nn.Module, layer_type: str) -> list[int]:
-    """The indices of `model`'s layers whose `config.layer_types` entry is `layer_type` ("sliding_attention",
-    "full_attention"): `convert(model, layers=layers_of_type(model, "sliding_attention"))` converts one kind."""
-    types = list(getattr(model.config, "layer_types", None) or [])
-    if layer_type not in types:
-        raise ValueError(f"no layer of type {layer_type!r}: this model's layer types are {sorted(set(types))}")
-    return [i for i, kind in enumerate(types) if kind == layer_type]
-
-
 HUB = {
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B",

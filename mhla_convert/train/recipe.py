@@ -38,7 +38,7 @@ class ModelSpec:
 class ConversionSpec:
     ratio: float = 1.0
     strategy: Literal["spread", "first", "last", "auto"] = "spread"
-    layers: list[int] | None = None
+    layers: list[int] | str | None = None  # indices, or a layer type of config.layer_types
     blocks: str | list[int] | None = None
     attention: Literal["mhla", "linear", "local"] = "mhla"
     calibration_batches: int = 4  # batches of the recipe's data that score the layers (auto) and fit far weights
