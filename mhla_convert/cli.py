@@ -144,6 +144,9 @@ def convert_command(
     mixing_init: Optional[str] = typer.Option(
         None, help="Mixing init: locality, uniform or a blend weight in [0, 1] (default: locality)."
     ),
+    feature_map: Optional[str] = typer.Option(
+        None, help="Feature map of the linear part: relu, elu or hedgehog (learned, trained by attention transfer; "
+        "runs without the Triton kernels) (default: relu)."),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     pipeline: bool = typer.Option(
         False, help="Save a whole diffusers pipeline (the source pipeline's other components + the converted "
@@ -181,6 +184,8 @@ def convert_command(
             options["mixing_init"] = _number_or_name(mixing_init)
         if exact_radius is not None:
             options["exact_radius"] = _radius(exact_radius)
+        if feature_map is not None:
+            options["feature_map"] = feature_map
         torch_dtype = parse_dtype(dtype)
         check_options(ratio=ratio, strategy=strategy, **options)
         auto = options["layers"] is None and strategy == "auto"

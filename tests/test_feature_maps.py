@@ -152,3 +152,18 @@ def test_attention_transfer_trains_the_feature_map(tiny):
     trainable = {id(p) for p in select_trainable(model, "mhla", adapter_for_model(model))}
     maps = [m.weight for m in model.modules() if isinstance(m, HedgehogFeatureMap)]
     assert maps and all(id(w) in trainable for w in maps)
+
+
+def test_command_line_converts_with_it_and_refuses_a_typo(tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert.cli import app
+
+    out = tmp_path / "lm"
+    result = CliRunner().invoke(app, ["tiny-llama", "--feature-map", "hedgehog", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    model = from_pretrained(out)
+    assert model.mhla_plan["mhla_config"]["feature_map"] == "hedgehog"
+    assert any(isinstance(m, HedgehogFeatureMap) for m in model.modules())
+    result = CliRunner().invoke(app, ["tiny-llama", "--feature-map", "hedgehgo", "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "feature_map must be one of ['elu', 'hedgehog', 'relu']" in result.output
