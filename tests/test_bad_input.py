@@ -110,6 +110,7 @@ CONVERT_API = [
     ("tiny-dit", dict(scale=-1.0), "scale must be a finite number > 0"),
     ("tiny-dit", dict(scale=float("inf")), "scale must be a finite number > 0"),
     ("tiny-dit", dict(feature_map="rleu"), "feature_map must be one of ['elu', 'hedgehog', 'relu']"),
+    ("tiny-dit", dict(feature_map=["relu"]), "feature_map must be one of ['elu', 'hedgehog', 'relu'] or a callable"),
     ("tiny-dit", dict(backend="trtion"), "backend must be one of"),
     ("tiny-dit", dict(backend=None), "backend must be one of"),
     ("tiny-dit", dict(mixing_init=1.5), "mixing_init must be"),

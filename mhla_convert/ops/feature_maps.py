@@ -64,7 +64,8 @@ LEARNED_FEATURE_MAPS: dict[str, type[nn.Module]] = {"hedgehog": HedgehogFeatureM
 
 def check_feature_map(feature_map) -> None:
     """Refuse what is neither a feature map's name (fixed or learned) nor a callable."""
-    if not (callable(feature_map) or feature_map in FEATURE_MAPS or feature_map in LEARNED_FEATURE_MAPS):
+    named = isinstance(feature_map, str) and (feature_map in FEATURE_MAPS or feature_map in LEARNED_FEATURE_MAPS)
+    if not (named or callable(feature_map)):
         names = sorted([*FEATURE_MAPS, *LEARNED_FEATURE_MAPS])
         raise ValueError(f"feature_map must be one of {names} or a callable; got {feature_map!r}")
 
