@@ -181,3 +181,19 @@ def test_layer_called_outside_the_model_forward_says_why(tiny):
     convert(model, layers=[0])
     with pytest.raises(ValueError, match="call the model, not the layer"):
         model.transformer_blocks[0].attn1(torch.randn(1, 10, 16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_attention_the_layer_would_not_reproduce_is_refused_before_anything_changes(tiny, name):
+    """A host feature MHLA drops (here a residual connection on the last self-attention) is refused by name, and
+    the layers before it, which would convert, are left as they were."""
+    model = tiny(name)
+    adapter = adapter_for_model(model)
+    last = adapter.attention_modules(model)[-1]
+    last.residual_connection = True
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedModelError, match=r"\.attn1 uses a residual connection, which an MHLA layer"):
+        convert(model, ratio=1.0)
+    assert not mhla_layers(model)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in after.items())

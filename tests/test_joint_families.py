@@ -130,3 +130,22 @@ def test_the_tiny_hunyuanvideo_pipeline_encodes_each_caption_with_its_padding_ma
     assert columns["prompt_embeds"].shape == (2, 16, 16) and columns["pooled_prompt_embeds"].shape == (2, 12)
     assert columns["prompt_attention_mask"].sum(1).tolist() == [10, 16]
     assert not torch.allclose(columns["prompt_embeds"][0, 2:10], columns["prompt_embeds"][1, 2:10])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_an_attention_with_another_processor_is_refused_before_anything_changes(tiny, name):
+    """A processor other than the family's (an IP-Adapter's, a user's) computes something the joint MHLA layer would
+    not reproduce: conversion names the layer, its processor and the one it takes, and leaves the model as it was."""
+    family, blocks, _ = CASES[name]
+    model, adapter = tiny(name), adapter_for_family(family)
+
+    class OtherProcessor:
+        pass
+
+    last = adapter.attention_modules(model)[-1]  # the layers before it would convert
+    expected = type(last.processor).__name__
+    last.processor = OtherProcessor()
+    with pytest.raises(mhla_convert.families.base.UnsupportedModelError,
+                       match=f"uses OtherProcessor; an MHLA layer reproduces {expected} only"):
+        mhla_convert.convert(model, ratio=1.0, blocks=blocks)
+    assert not mhla_convert.mhla_layers(model)

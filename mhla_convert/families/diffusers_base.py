@@ -238,6 +238,14 @@ class DiffusersAdapter(FamilyAdapter):
         if found:
             raise UnsupportedModelError(f"{where} uses {', '.join(found)}, which an MHLA layer does not reproduce")
 
+    def check_layers(self, model: nn.Module, indices: list[int], config: MHLAConfig) -> None:
+        """Every chosen host attention passes `check_host` before any layer changes, so a refusal leaves the whole
+        model as it was (`convert_layer` checks its own host again when called alone)."""
+        hosts = self.attention_modules(model)
+        names = {id(module): name for name, module in model.named_modules()}
+        for i in indices:
+            self.check_host(hosts[i], names[id(hosts[i])])
+
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         block = getattr(model, self.blocks_attr)[index]
         self.check_host(block.attn1, f"{self.blocks_attr}.{index}.attn1")
