@@ -48,6 +48,14 @@ class FluxTokenGrid(TokenGrid):
         return h, w
 
 
+def check_processor(host: nn.Module, where: str, processor: type, hint: str = "") -> None:
+    """Refuse a joint host attention (named `where`) whose processor is not `processor`, the one its MHLA layer
+    reproduces."""
+    if type(host.processor) is not processor:
+        raise UnsupportedModelError(f"{where} uses {type(host.processor).__name__}; an MHLA layer reproduces "
+                                    f"{processor.__name__} only{hint}")
+
+
 def replace_joint_attention(adapter: DiffusersAdapter, model, block: nn.Module, where: str, layer_class, config):
     """`block.attn` (named `where`) checked by the adapter and replaced by `layer_class.from_joint_host`, reading the
     model's token grid."""
@@ -163,9 +171,7 @@ class FluxAdapter(DiffusersAdapter):
     def check_host(self, host, where: str) -> None:
         from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
-        if type(host.processor) is not FluxAttnProcessor:
-            raise UnsupportedModelError(f"{where} uses {type(host.processor).__name__}; an MHLA layer reproduces "
-                                        "FluxAttnProcessor only (unload IP-Adapters first)")
+        check_processor(host, where, FluxAttnProcessor, " (unload IP-Adapters first)")
 
     def convert_layer(self, model, index: int, config: MHLAConfig) -> nn.Module:
         dual = len(model.transformer_blocks)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import UnsupportedModelError, register
+from .base import register
 from .diffusers_base import TINY_VOCAB, DiffusersAdapter, TokenGrid, given
-from .flux import FluxAdapter, JointMHLA, tiny_clip_text
+from .flux import FluxAdapter, JointMHLA, check_processor, tiny_clip_text
 from .wan import TINY_VIDEO
 
 GUIDANCE = 6.0  # HunyuanVideoPipeline's default embedded guidance (the model sees it × 1000)
@@ -102,9 +102,7 @@ class HunyuanVideoAdapter(FluxAdapter):
     def check_host(self, host, where: str) -> None:
         from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
 
-        if type(host.processor) is not HunyuanVideoAttnProcessor2_0:
-            raise UnsupportedModelError(f"{where} uses {type(host.processor).__name__}; an MHLA layer reproduces "
-                                        "HunyuanVideoAttnProcessor2_0 only")
+        check_processor(host, where, HunyuanVideoAttnProcessor2_0)
 
     def example_inputs(self, model, grid=None, batch_size=1) -> dict[str, Any]:
         """Video latents, 8 text tokens (every other example with the last 3 padded), pooled text, guidance."""

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from ..layer import MHLAConfig
-from .base import UnsupportedModelError, register
+from .base import register
 from .diffusers_base import TINY_VOCAB, DiffusersAdapter, TokenGrid, given
-from .flux import JointMHLA, replace_joint_attention
+from .flux import JointMHLA, check_processor, replace_joint_attention
 
 
 class QwenTokenGrid(TokenGrid):
@@ -93,9 +93,7 @@ class QwenImageAdapter(DiffusersAdapter):
     def check_host(self, host, where: str) -> None:
         from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
-        if type(host.processor) is not QwenDoubleStreamAttnProcessor2_0:
-            raise UnsupportedModelError(f"{where} uses {type(host.processor).__name__}; an MHLA layer reproduces "
-                                        "QwenDoubleStreamAttnProcessor2_0 only")
+        check_processor(host, where, QwenDoubleStreamAttnProcessor2_0)
 
     def convert_layer(self, model, index: int, config: MHLAConfig) -> nn.Module:
         return replace_joint_attention(self, model, model.transformer_blocks[index], f"transformer_blocks.{index}.attn",
