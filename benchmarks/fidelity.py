@@ -151,6 +151,10 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
         "softmax": ("original, fine-tuned alike", {"ratio": 0.0}, False, {}),
     }
     hedgehog = {"feature_map": "hedgehog"}
+    chunk = 16 if quick else 64
+    # the same exact span (up to 2 default chunks) and mixing reach in chunks of a half and a quarter of the default
+    half = {"chunk_size": chunk // 2, "exact_chunks": 4, "window": 16}
+    quarter = {"chunk_size": chunk // 4, "exact_chunks": 8, "window": 32}
     lm_variants = {
         **shared,
         "full-no-exact": ("full MHLA, no exact chunks (the paper's form)",
@@ -160,6 +164,16 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
                                 {"ratio": 1.0, "options": {**hedgehog, "per_head_mixing": True}}, True, {}),
         "full-hedgehog-distill": ("full MHLA, Hedgehog, fine-tuned by distillation",
                                   {"ratio": 1.0, "options": hedgehog}, True, {"distill": 1.0}),
+        "local-half": ("sliding window of 4 half chunks, fine-tuned", {"ratio": 1.0, "attention": "local",
+                                                                       "options": half}, True, {}),
+        "full-half": ("full MHLA, half chunks", {"ratio": 1.0, "options": half}, True, {}),
+        "full-half-hedgehog-distill": ("full MHLA, half chunks, Hedgehog, distilled",
+                                       {"ratio": 1.0, "options": {**half, **hedgehog}}, True, {"distill": 1.0}),
+        "full-quarter": ("full MHLA, quarter chunks", {"ratio": 1.0, "options": quarter}, True, {}),
+        "local-quarter": ("sliding window of 8 quarter chunks, fine-tuned", {"ratio": 1.0, "attention": "local",
+                                                                             "options": quarter}, True, {}),
+        "full-quarter-hedgehog-distill": ("full MHLA, quarter chunks, Hedgehog, distilled",
+                                          {"ratio": 1.0, "options": {**quarter, **hedgehog}}, True, {"distill": 1.0}),
     }
     dit_variants = {
         **shared,
@@ -170,7 +184,7 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
     }
     return {
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
-                        finetune_lr=1e-4, conversion={"options": {"chunk_size": 16 if quick else 64}},
+                        finetune_lr=1e-4, conversion={"options": {"chunk_size": chunk}},
                         variants=lm_variants),
         "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
                          finetune_lr=5e-5, conversion={"blocks": "4x4"}, variants=dit_variants),
@@ -305,12 +319,20 @@ def point(curve: list[dict], step: int | None = None, stage: str | None = None) 
     return rows[-1]["gap"] if rows else None
 
 
-def has_region(name: str, mini: Miniature) -> bool:
-    """Whether every layer of a variant reads the shipped exact region (so the truncation control is its own)."""
+REGION_OPTIONS = ("chunk_size", "exact_chunks", "exact_radius")
+
+
+def truncation_of(name: str, mini: Miniature) -> str | None:
+    """The control whose step 0 is variant `name`'s truncation: the `local` variant cutting every layer to the
+    same exact region (same chunking and span), if the variant converts every layer with one."""
+    def region(section: dict) -> tuple:
+        return tuple(section.get("options", {}).get(k) for k in REGION_OPTIONS)
+
     _, section, _, _ = mini.variants[name]
-    kind = section.get("attention", "mhla")
-    region_options = {"exact_chunks", "exact_radius"}
-    return section["ratio"] == 1 and kind in ("mhla", "local") and not region_options & set(section.get("options", {}))
+    if section["ratio"] != 1 or section.get("attention", "mhla") not in ("mhla", "local"):
+        return None
+    return next((other for other, (_, s, _, _) in mini.variants.items()
+                 if s.get("attention") == "local" and region(s) == region(section)), None)
 
 
 def summarise(results: dict, minis: dict[str, Miniature], args) -> dict:
@@ -318,13 +340,13 @@ def summarise(results: dict, minis: dict[str, Miniature], args) -> dict:
     summary = {}
     for kind, res in results.items():
         curves = {name: v["curve"] for name, v in res["variants"].items()}
-        truncation = point(curves["local"], 0) if "local" in curves else None
         variants = {}
         for name, curve in curves.items():
             key = "window" if (kind == "lm" and name == "local") else name
+            control = truncation_of(name, minis[kind])
             variants[key] = {
                 "step0": point(curve, 0),
-                "truncation": truncation if has_region(name, minis[kind]) else None,
+                "truncation": point(curves[control], 0) if control in curves else None,
                 "transfer": point(curve, args.transfer_steps, "attention_transfer"),
                 "final": curve[-1]["gap"],
                 "best": min(r["gap"] for r in curve),
