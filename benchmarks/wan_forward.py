@@ -5,10 +5,10 @@ wan2.2-ti2v a Wan2.2-TI2V-5B-shaped one (48 latent channels of the Wan2.2 VAE, 4
 SANA-1600M-shaped `SanaTransformer2DModel` (class defaults) at 1024 px and 4096 px, with --model dit a
 DiT-XL/2-shaped `DiTTransformer2DModel` at 512 px (32x32 = 1,024 tokens), or with --model flux a FLUX.1-dev-shaped
 `FluxTransformer2DModel` at 1024² and 2048² (64x64 and 128x128 packed tokens, 512 text tokens: joint text-image
-MHLA, torch path only, not yet timed here), or with --model hunyuanvideo a HunyuanVideo-shaped
+MHLA), or with --model hunyuanvideo a HunyuanVideo-shaped
 `HunyuanVideoTransformer3DModel` at 720p x 129 frames (33x45x80 = 118,800 video tokens, 256 text tokens; joint MHLA
-as FLUX's, not yet timed here), or with --model qwen-image a Qwen-Image-shaped `QwenImageTransformer2DModel` at
-1328² (83x83 packed tokens, 512 text tokens; joint MHLA as FLUX's, not yet timed here); original vs converted to
+as FLUX's), or with --model qwen-image a Qwen-Image-shaped `QwenImageTransformer2DModel` at
+1328² (83x83 packed tokens, 512 text tokens; joint MHLA as FLUX's); original vs converted to
 MHLA with the library's own `convert` (all layers, and for Wan the 2/3 hybrid that keeps softmax at 0, 3, …, 27).
 
     python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|hunyuanvideo|qwen-image|wan-layer]
@@ -18,7 +18,8 @@ MHLA with the library's own `convert` (all layers, and for Wan the 2/3 hybrid th
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
-bf16, batch 1, no grad; median of CUDA-event timings of whole forwards after warm-up.
+bf16, batch 1, no grad; median of CUDA-event timings of whole forwards after warm-up. Each timing is also printed
+to stderr as it is taken, so a run cut short still shows what it measured.
 
 --compile also times every model under `torch.compile(model, fullgraph=True, dynamic=False)`: inductor's
 default mode, what diffusers' and PyTorch's guides tell a diffusers user to write
@@ -32,7 +33,7 @@ variant eager and compiled, its speed-up over the original in the same mode, and
 the most GPU time per forward, and its total kernel time: where a whole model's time goes, and how much of it the
 attention takes.
 
---tiny runs narrow 2-3-layer versions of wan, wan2.2-ti2v, sana and dit on the CPU in float32 (perf_counter timings;
+--tiny runs narrow 2-3-layer versions of every model but wan-layer on the CPU in float32 (perf_counter timings;
 --compile traces with the "aot_eager" backend, no code generation; --kernels lists CPU ops): a smoke run.
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -152,6 +154,7 @@ def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[st
                     continue
                 try:
                     times[key].append(_time(fn, setup))
+                    print(f"  {key[0]}, {key[1]}: {times[key][-1]:.3f} ms", file=sys.stderr, flush=True)
                 except Exception as e:  # noqa: BLE001 - a compile error goes in the table; eager ones raise
                     if key[1] == "eager":
                         raise
@@ -194,8 +197,10 @@ def _kernel_profile(fns: dict, setup: Setup, forwards: int = 3) -> str:
 
 
 def _converted(model, setup: Setup, **plan):
+    tic = time.perf_counter()
     out = copy.deepcopy(model)
     convert(out, backend=setup.backend, **plan)
+    print(f"  converted a copy in {time.perf_counter() - tic:.1f} s", file=sys.stderr, flush=True)
     return out
 
 
@@ -318,7 +323,7 @@ def bench_flux(setup: Setup):
         groups.append(_measure({f"{px}² original, {side}x{side} + {text} text tokens": model,
                                 f"{px}² joint MHLA, M={blocks[0] * blocks[1]}": mhla},
                                lambda m: m(x, prompt, pooled, t, img_ids, txt_ids, guidance, return_dict=False),
-                               setup, alternate=True))
+                               setup))
         del mhla
         torch._dynamo.reset()  # the next size compiles afresh
     return "tiny FLUX" if setup.tiny else "FLUX.1-dev-shaped (real config)", groups
@@ -341,8 +346,7 @@ def bench_hunyuanvideo(setup: Setup):
     tokens = frames * (h // 2) * (w // 2)
     variants = {f"original, {tokens:,} video + {text} text tokens": model,
                 f"joint MHLA, M={blocks[0] * blocks[1] * blocks[2]}": _converted(model, setup, blocks=blocks)}
-    groups = [_measure(variants, lambda m: m(x, t, prompt, mask, pooled, guidance, return_dict=False), setup,
-                       alternate=True)]
+    groups = [_measure(variants, lambda m: m(x, t, prompt, mask, pooled, guidance, return_dict=False), setup)]
     return "tiny HunyuanVideo" if setup.tiny else "HunyuanVideo-shaped (class defaults), 720p x 129 frames", groups
 
 
@@ -360,7 +364,7 @@ def bench_qwen_image(setup: Setup):
     t, shapes = setup.randn(1).abs().clamp(max=1), [[(1, side, side)]]
     variants = {f"original, {side}x{side} + {text} text tokens": model,
                 f"joint MHLA, M={blocks[0] * blocks[1]}": _converted(model, setup, blocks=blocks)}
-    groups = [_measure(variants, lambda m: m(x, prompt, None, t, shapes, return_dict=False), setup, alternate=True)]
+    groups = [_measure(variants, lambda m: m(x, prompt, None, t, shapes, return_dict=False), setup)]
     return "tiny Qwen-Image" if setup.tiny else "Qwen-Image-shaped (class defaults), 1328²", groups
 
 

@@ -105,7 +105,8 @@ class JointMHLA(DiffusersMHLA):
             mixing = mixing[..., kept, :][..., kept]
         cfg = self.config
         return joint_attention(q, k, v, mixing, text=text, grid=grid, blocks=blocks, exact_radius=cfg.exact_radius,
-                               feature_map=self.phi, scale=cfg.scale, eps=cfg.eps, text_mask=text_mask)
+                               feature_map=self.phi, scale=cfg.scale, eps=cfg.eps, text_mask=text_mask,
+                               backend=cfg.backend)
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):

@@ -33,4 +33,5 @@ __all__ = [
     "norm_rotate_unsupported_reason", "prompt_supports", "prompt_triton", "supports", "unsupported_reason",
 ]
 
-from . import exact_blocks_triton, exact_triton  # noqa: E402, F401  (register the "exact_blocks", "exact" backends)
+# (register the "exact_blocks", "exact" and "joint" backends)
+from . import exact_blocks_triton, exact_triton, joint_triton  # noqa: E402, F401

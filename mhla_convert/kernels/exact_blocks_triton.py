@@ -579,6 +579,14 @@ def mhla_attention_exact_blocks_triton(q, k, v, mixing, layout: BlockLayout, *, 
     return _forward(q, k, v, mixing, p, key_mask)
 
 
+def forward_with_normaliser(q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale, eps):
+    """Inference forward → (output (B, N, H, Dv) in q's dtype, each row's log2-normaliser (B, H, N) float32:
+    log2(den + eps), the row's whole weight before division), for a caller that merges this read with another
+    (`joint_triton`). Inputs must be ones `unsupported_reason` passes."""
+    o, lse, _, _ = _forward(q, k, v, mixing, _Problem(layout, tuple(exact_radius), phi, scale, eps), None, save=True)
+    return o, lse
+
+
 def mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale,
                                                 eps, needs_grad, key_mask=None):
     """(dq, dk, dv, dmixing) from the inputs alone (the backward of the custom op `ops.exact_op`, which keeps

@@ -18,6 +18,8 @@ Operators and their implementation signatures:
 - "exact_blocks" (non-causal attention with an exact block neighbourhood):
   `ops.exact_blocks.mhla_attention_exact_blocks_torch`; supports(q, k, v, mixing, layout, *, exact_radius, phi,
   key_mask); an optional backward as "exact"'s, with exact_radius for exact_chunks;
+- "joint" (joint text–image attention of MM-DiT families): `ops.joint.joint_attention_torch`; supports(q, k, v,
+  mixing, layout, *, text, exact_radius, phi, text_mask);
 - "decode" (a causal layer's decoding step on its `DecodeState`, in place): `ops.recurrent.DecodeState.step_torch`;
   supports(state, q, k, v, relative, *, phi);
 - "prompt" (a causal layer's `DecodeState` started afresh from a prompt, in place):
@@ -33,7 +35,7 @@ import torch
 
 logger = logging.getLogger("mhla_convert.ops")
 
-OPS = ("attention", "rotary", "rotary_half", "exact", "exact_blocks", "decode", "prompt")
+OPS = ("attention", "rotary", "rotary_half", "exact", "exact_blocks", "joint", "decode", "prompt")
 _REGISTRY: dict[str, dict[str, tuple[Callable, Callable[..., bool]]]] = {op: {} for op in OPS}
 _BACKWARDS: dict[Callable, Callable] = {}
 _TRACED: dict[Callable, Callable] = {}

@@ -17,6 +17,9 @@ so each row, text or image, is one normalised distribution over all L + N keys: 
 the neighbourhood and the summaries count against each other. Text queries read the image through the summaries
 mixed by row M (one query block of their own); `text_mask` (B, L) bool drops padded text keys. Cost:
 O((L + N)·d² + M²·d² + N·(K·T + L)·d + L²·d) for K neighbourhood blocks of T tokens.
+
+`joint_attention` dispatches as op "joint" (`ops.dispatch`): the torch path here, and for inference with an exact
+region on CUDA `kernels.joint_triton`, which runs the image rows through the exact-block kernels and merges the text.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import BlockLayout
+from .dispatch import select
 from .exact_blocks import block_summaries, exact_mask, exact_radius_axes, far_reads, grouped_mixing, near_read
 from .exact_local import read_window
 from .feature_maps import FeatureMap, resolve_feature_map
@@ -47,16 +51,53 @@ def check_joint_inputs(q, k, v, mixing, *, text: int, grid, blocks, text_mask=No
 def joint_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, *, text: int, grid, blocks,
     exact_radius=None, feature_map: FeatureMap = "relu", scale: float | None = None, eps: float = 1e-6,
-    text_mask: torch.Tensor | None = None,
+    text_mask: torch.Tensor | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """Joint MHLA (module doc). q, k, v: (B, L + N, H, D) / (B, L + N, H_kv, D) / (B, L + N, H_kv, D_v), the `text`
     = L text tokens first, then the N image tokens of `grid` in row-major order; mixing (M + 1, M + 1) or
     (H, M + 1, M + 1), M = prod(blocks), index M the text; exact_radius as `mhla_attention`'s (None: the image keys
-    only through summaries); text_mask (B, L) bool, False for padding. → (B, L + N, H, D_v) in q's dtype."""
+    only through summaries); text_mask (B, L) bool, False for padding. → (B, L + N, H, D_v) in q's dtype.
+
+    `backend` as `mhla_attention`'s (op "joint" of `ops.dispatch`): "auto" takes the Triton inference path
+    (`kernels.joint_triton`) for CUDA inputs it supports when no gradient is needed, the torch path otherwise."""
     layout = check_joint_inputs(q, k, v, mixing, text=text, grid=grid, blocks=blocks, text_mask=text_mask)
-    check_options(feature_map=feature_map, normalize=True, scale=scale, eps=eps, backend="torch")
+    check_options(feature_map=feature_map, normalize=True, scale=scale, eps=eps, backend=backend)
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    radius = None if exact_radius is None else exact_radius_axes(exact_radius, len(layout.grid))
+    impl = select("joint", backend, joint_attention_torch, q, k, v, mixing, layout, text=text, exact_radius=radius,
+                  phi=phi, text_mask=text_mask)
+    return impl(q, k, v, mixing, layout, text=text, exact_radius=radius, phi=phi, scale=scale, eps=eps,
+                text_mask=text_mask)
+
+
+def text_window(x: torch.Tensor) -> torch.Tensor:
+    """Text keys or values (B, L, H_kv, X) → (B, H_kv, 1, 1, L, X), a window every query block reads."""
+    return x.permute(0, 2, 1, 3)[:, :, None, None]
+
+
+def real_text(text_mask: torch.Tensor | None, batch: int, text: int, device) -> torch.Tensor:
+    """(B, 1, 1, 1, 1, L) bool: the text keys that are not padding."""
+    real = torch.ones(batch, text, dtype=torch.bool, device=device) if text_mask is None else text_mask
+    return real[:, None, None, None, None]
+
+
+def text_rows(qt, kt, vt, s, z, mix, real, *, phi, scale, eps) -> torch.Tensor:
+    """The text queries' outputs (B, L, H, Dv): one query block of their own, row M of the grouped mixing `mix`,
+    reading the image through its block summaries s, z (`block_summaries`) and the text keys exactly."""
+    batch, text, heads, _ = qt.shape
+    kv_heads, groups, m = kt.shape[2], heads // kt.shape[2], s.shape[2]
+    qtf = (phi(qt) * scale).permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
+    num, den = far_reads(qtf, s, z, mix[..., m:, :m])
+    qtr = qt.permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
+    self_text = mix[..., m:, m:, None]  # (·, ·, 1, 1, 1)
+    out = read_window(num, den, qtr, text_window(kt), text_window(vt), self_text, real & (self_text > 0), eps=eps)
+    return out.reshape(batch, heads, text, -1).transpose(1, 2)
+
+
+def joint_attention_torch(q, k, v, mixing, layout: BlockLayout, *, text: int, exact_radius, phi, scale, eps,
+                          text_mask=None) -> torch.Tensor:
+    """The torch path of `joint_attention` (checked inputs, `exact_radius` one per grid axis or None)."""
     batch, _, heads, _ = q.shape
     kv_heads, groups, dv = k.shape[2], heads // k.shape[2], v.shape[-1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -64,37 +105,24 @@ def joint_attention(
     mix = grouped_mixing(mixing.to(acc), kv_heads, groups)  # (·, ·, M + 1, M + 1)
     dtype, (q, k, v) = q.dtype, (t.to(acc) for t in (q, k, v))
     qt, kt, vt, qi, ki, vi = q[:, :text], k[:, :text], v[:, :text], q[:, text:], k[:, text:], v[:, text:]
-
-    def text_window(x):  # (B, L, H_kv, X) → (B, H_kv, 1, 1, L, X)
-        return x.permute(0, 2, 1, 3)[:, :, None, None]
-
     kw, vw = text_window(kt), text_window(vt)
-    real = (torch.ones(batch, text, dtype=torch.bool, device=q.device) if text_mask is None
-            else text_mask)[:, None, None, None, None]  # (B, 1, 1, 1, 1, L)
+    real = real_text(text_mask, batch, text, q.device)
 
     # image keys: block summaries; the image queries' reads of them, then of their neighbourhood and the text
     s, z = block_summaries(layout.to_blocks(phi(ki)), vb := layout.to_blocks(vi))
     image_mix = mix[..., :m, :m]
-    radius = None if exact_radius is None else exact_radius_axes(exact_radius, len(layout.grid))
-    far = image_mix if radius is None else image_mix.masked_fill(exact_mask(layout.blocks, radius, q.device), 0.0)
+    far = image_mix if exact_radius is None else image_mix.masked_fill(exact_mask(layout.blocks, exact_radius,
+                                                                                  q.device), 0.0)
     qf = layout.to_blocks(phi(qi) * scale).view(batch, kv_heads, groups, m, t, -1)
     num, den = far_reads(qf, s, z, far)
     to_text = mix[..., :m, m:, None].expand(*mix.shape[:-2], m, 1, text)  # (·, ·, M, 1, L)
     allowed = real & (to_text > 0)
-    if radius is None:
+    if exact_radius is None:
         qr = layout.to_blocks(qi).view(batch, kv_heads, groups, m, t, -1)
         image_out = read_window(num, den, qr, kw, vw, to_text, allowed, eps=eps)
     else:
-        image_out = near_read(num, den, qi, ki, vb, image_mix, layout, radius, real=None, eps=eps,
+        image_out = near_read(num, den, qi, ki, vb, image_mix, layout, exact_radius, real=None, eps=eps,
                               extra=(kw, vw, to_text, allowed))
-
-    # text queries: one query block of their own, row M
-    qtf = (phi(qt) * scale).permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
-    num_t, den_t = far_reads(qtf, s, z, mix[..., m:, :m])
-    qtr = qt.permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
-    self_text = mix[..., m:, m:, None]  # (·, ·, 1, 1, 1)
-    text_out = read_window(num_t, den_t, qtr, kw, vw, self_text, real & (self_text > 0), eps=eps)
-
     image_out = layout.from_blocks(image_out.reshape(batch, heads, m, t, dv))  # (B, N, H, Dv)
-    text_out = text_out.reshape(batch, heads, text, dv).transpose(1, 2)
+    text_out = text_rows(qt, kt, vt, s, z, mix, real, phi=phi, scale=scale, eps=eps)
     return torch.cat([text_out, image_out], 1).to(dtype)
