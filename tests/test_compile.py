@@ -32,11 +32,9 @@ def _interpreted() -> bool:
     return type(mhla_triton.K._readout_kernel).__name__ == "InterpretedFunction"
 
 
-# The joint text-image layers (FLUX, Qwen-Image, HunyuanVideo) run `ops.joint` inline on the torch path, which breaks
-# the graph where it builds its exact-region tables; FLUX and Qwen-Image also read the grid from the model's inputs on
-# the host (docs/converter.md, "MM-DiT"): not one custom op per layer, and graph breaks
-JOINT = ("tiny-flux", "tiny-qwen-image", "tiny-hunyuanvideo")
-TINY = [name for _, cls in sorted(families().items()) for name in cls().tiny_configs() if name not in JOINT]
+# FLUX reads its token grid from `img_ids` on the host (docs/converter.md, "MM-DiT"): graph breaks there
+HOST_GRID = ("tiny-flux",)
+TINY = [name for _, cls in sorted(families().items()) for name in cls().tiny_configs() if name not in HOST_GRID]
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (and no TRITON_INTERPRET)")
 interp = pytest.mark.skipif(not _interpreted(), reason="Triton is absent, or compiled here (no TRITON_INTERPRET)")
@@ -71,7 +69,8 @@ def _main(out):
     return out.sample if hasattr(out, "sample") else out.logits
 
 
-OPS = (torch.ops.mhla_convert.attention.default, torch.ops.mhla_convert.exact_attention.default)
+OPS = (torch.ops.mhla_convert.attention.default, torch.ops.mhla_convert.exact_attention.default,
+       torch.ops.mhla_convert.joint_attention.default)
 
 
 def _op_count(gm) -> int:

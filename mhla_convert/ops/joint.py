@@ -20,6 +20,7 @@ O((L + N)·d² + M²·d² + N·(K·T + L)·d + L²·d) for K neighbourhood block
 
 `joint_attention` dispatches as op "joint" (`ops.dispatch`): the torch path here, and for inference with an exact
 region on CUDA `kernels.joint_triton`, which runs the image rows through the exact-block kernels and merges the text.
+Under torch.compile it is one custom op (`joint_attention_op`) whose backward runs the torch path again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .blocks import BlockLayout
 from .dispatch import select
 from .exact_blocks import block_summaries, exact_mask, exact_radius_axes, far_reads, grouped_mixing, near_read
 from .exact_local import read_window
-from .feature_maps import FeatureMap, resolve_feature_map
+from .feature_maps import FEATURE_MAPS, FeatureMap, resolve_feature_map
+from .library import empty_grads, grads_by_recompute, register_recompute_autograd
 from .mhla import check_inputs, check_options
 
 
@@ -65,6 +67,9 @@ def joint_attention(
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     radius = None if exact_radius is None else exact_radius_axes(exact_radius, len(layout.grid))
+    if torch.compiler.is_compiling() and isinstance(feature_map, str):
+        return joint_attention_op(q, k, v, mixing, text_mask, layout.grid, layout.blocks, layout.block_size, text,
+                                  [] if radius is None else list(radius), feature_map, scale, eps, backend)
     impl = select("joint", backend, joint_attention_torch, q, k, v, mixing, layout, text=text, exact_radius=radius,
                   phi=phi, text_mask=text_mask)
     return impl(q, k, v, mixing, layout, text=text, exact_radius=radius, phi=phi, scale=scale, eps=eps,
@@ -126,3 +131,54 @@ def joint_attention_torch(q, k, v, mixing, layout: BlockLayout, *, text: int, ex
     image_out = layout.from_blocks(image_out.reshape(batch, heads, m, t, dv))  # (B, N, H, Dv)
     text_out = text_rows(qt, kt, vt, s, z, mix, real, phi=phi, scale=scale, eps=eps)
     return torch.cat([text_out, image_out], 1).to(dtype)
+
+
+# --- as one PyTorch custom op under torch.compile (as `ops.exact_op`) -----------------------------------------------
+_ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, int text, int[] exact, str feature_map, float scale, "
+         "float eps, str backend")
+
+
+def _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps) -> tuple[BlockLayout, dict]:
+    """The op's arguments as (layout, the implementations' keywords); `exact` empty: no exact region."""
+    layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
+    return layout, dict(text=text, exact_radius=tuple(exact) or None, phi=FEATURE_MAPS[feature_map], scale=scale,
+                        eps=eps, text_mask=text_mask)
+
+
+@torch.library.custom_op("mhla_convert::joint_attention", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? text_mask, {_ARGS}) -> Tensor")
+def joint_attention_op(q, k, v, mixing, text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps,
+                       backend):
+    """`joint_attention` on checked inputs: the layout as (grid, blocks, block_size) of a `BlockLayout`, the feature
+    map by name. Output (B, L + N, H, D_v), contiguous, in q's dtype."""
+    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps)
+    impl = select("joint", backend, joint_attention_torch, q, k, v, mixing, layout, text=text,
+                  exact_radius=options["exact_radius"], phi=options["phi"], text_mask=text_mask)
+    return impl(q, k, v, mixing, layout, **options).contiguous()
+
+
+@joint_attention_op.register_fake
+def _(q, k, v, mixing, *rest):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
+
+
+@torch.library.custom_op(
+    "mhla_convert::joint_attention_backward", mutates_args=(),
+    schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? text_mask, bool[] needs_grad, {_ARGS}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def joint_attention_backward_op(grad, q, k, v, mixing, text_mask, needs_grad, grid, blocks, block_size, text, exact,
+                                feature_map, scale, eps, backend):
+    """(dq, dk, dv, dmixing) of `joint_attention_op`: the torch path again under `torch.func.vjp` (the Triton path
+    is for inference only)."""
+    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps)
+    return grads_by_recompute(lambda *xs: (joint_attention_torch(*xs, layout, **options),), (q, k, v, mixing),
+                              (grad,), needs_grad)
+
+
+@joint_attention_backward_op.register_fake
+def _(grad, q, k, v, mixing, *rest):
+    return empty_grads(q, k, v, mixing)
+
+
+register_recompute_autograd(joint_attention_op, joint_attention_backward_op, saved=5, differentiable=4)
