@@ -79,3 +79,31 @@ def test_accelerate_configs_load():
     assert load_config_from_file(str(root / "ddp.yaml")).distributed_type == DistributedType.MULTI_GPU
     fsdp = load_config_from_file(str(root / "fsdp2.yaml"))
     assert fsdp.distributed_type == DistributedType.FSDP and fsdp.fsdp_config["fsdp_version"] == 2
+
+
+def test_checkpointed_block_recomputes_with_the_rotary_tables_uncast():
+    """FSDP2's mixed precision casts a block's inputs to bf16 in its forward, but (torch 2.11) not when activation
+    checkpointing recomputes the block, which then sees diffusers' float32 rotary tables: the converted layer must
+    save tensors of the same dtypes either way, or checkpointing refuses the recomputation (CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model()
+    config = model.config
+    latents = torch.randn(1, config.in_channels, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope(latents)
+    assert cos.dtype == torch.float32
+    with torch.no_grad():  # (the converted layers read their token grid from the model's forward)
+        model(latents, timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 4, config.text_dim))
+    block = model.blocks[0].to(torch.bfloat16)
+    width = config.num_attention_heads * config.attention_head_dim
+    x, text, temb = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((1, 32, width), (1, 4, width),
+                                                                             (1, 6, width)))
+    calls = []
+
+    def run(x):
+        tables = (cos, sin) if calls else (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+        calls.append(tables[0].dtype)
+        return block(x, text, temb, tables)
+
+    checkpoint(run, x.requires_grad_(), use_reentrant=False).float().square().mean().backward()
+    assert calls == [torch.bfloat16, torch.float32] and torch.isfinite(x.grad).all()

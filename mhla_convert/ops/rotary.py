@@ -20,9 +20,16 @@ from .dispatch import select
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's RoPE on (B, N, H, D): pair (x[2i], x[2i+1]) turns by the angle whose cosine is
-    cos[..., 2i] and sine sin[..., 2i+1] (cos/sin broadcastable, e.g. (1, N, 1, D))."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    cos[..., 2i] and sine sin[..., 2i+1] (cos/sin broadcastable, e.g. (1, N, 1, D)).
+
+    Computed in float32 (or x's wider dtype) whatever the tables' dtype: with diffusers' float32 tables that is
+    what type promotion gives the host's op, bit for bit; with tables a wrapper cast to bf16 it keeps the same
+    ops and saved tensors. FSDP2's mixed precision casts a block's inputs in its forward but (torch 2.11) not
+    when activation checkpointing recomputes it, and checkpointing refuses a recomputation whose saved tensors
+    differ in dtype from the forward's."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x.to(acc).unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2].to(acc), sin[..., 1::2].to(acc)
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
