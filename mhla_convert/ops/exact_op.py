@@ -18,7 +18,7 @@ from .dispatch import select
 from .exact_blocks import mhla_attention_exact_blocks_torch
 from .exact_local import mhla_attention_exact_local_torch
 from .feature_maps import FEATURE_MAPS, FeatureMap
-from .library import backend_grads, empty_grads, register_recompute_autograd
+from .library import backend_grads, register_attention_op
 
 
 def _impl(q, k, v, mixing, layout: BlockLayout, *, causal: bool, exact, phi, key_mask, backend: str):
@@ -71,10 +71,6 @@ def exact_attention_op(q, k, v, mixing, key_mask, grid, blocks, block_size, caus
     return impl(q, k, v, mixing, layout, **region, phi=phi, scale=scale, eps=eps, key_mask=key_mask).contiguous()
 
 
-@exact_attention_op.register_fake
-def _(q, k, v, mixing, *rest):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
-
 
 @torch.library.custom_op(
     "mhla_convert::exact_attention_backward", mutates_args=(),
@@ -90,9 +86,4 @@ def exact_attention_backward_op(grad, q, k, v, mixing, key_mask, needs_grad, gri
     return backend_grads(impl, grad, (q, k, v, mixing), layout, options, needs_grad)
 
 
-@exact_attention_backward_op.register_fake
-def _(grad, q, k, v, mixing, *rest):
-    return empty_grads(q, k, v, mixing)
-
-
-register_recompute_autograd(exact_attention_op, exact_attention_backward_op, saved=5, differentiable=4)  # (key_mask)
+register_attention_op(exact_attention_op, exact_attention_backward_op, saved=5, differentiable=4)  # (key_mask)

@@ -32,7 +32,7 @@ from .dispatch import select
 from .exact_blocks import block_summaries, exact_mask, exact_radius_axes, far_reads, grouped_mixing, near_read
 from .exact_local import read_window
 from .feature_maps import FEATURE_MAPS, FeatureMap, resolve_feature_map
-from .library import empty_grads, grads_by_recompute, register_recompute_autograd
+from .library import grads_by_recompute, register_attention_op
 from .mhla import check_inputs, check_options
 
 
@@ -157,10 +157,6 @@ def joint_attention_op(q, k, v, mixing, text_mask, grid, blocks, block_size, tex
     return impl(q, k, v, mixing, layout, **options).contiguous()
 
 
-@joint_attention_op.register_fake
-def _(q, k, v, mixing, *rest):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
-
 
 @torch.library.custom_op(
     "mhla_convert::joint_attention_backward", mutates_args=(),
@@ -176,9 +172,4 @@ def joint_attention_backward_op(grad, q, k, v, mixing, text_mask, needs_grad, gr
                               (grad,), needs_grad)
 
 
-@joint_attention_backward_op.register_fake
-def _(grad, q, k, v, mixing, *rest):
-    return empty_grads(q, k, v, mixing)
-
-
-register_recompute_autograd(joint_attention_op, joint_attention_backward_op, saved=5, differentiable=4)
+register_attention_op(joint_attention_op, joint_attention_backward_op, saved=5, differentiable=4)

@@ -1,5 +1,6 @@
-"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.exact_op.exact_attention_op`):
-gradients by recomputation and the autograd wiring to a backward op."""
+"""What the operators' PyTorch custom ops share (`ops.mhla.attention_op`, `ops.exact_op.exact_attention_op`,
+`ops.joint.joint_attention_op`): gradients by recomputation, fake implementations and the autograd wiring to a
+backward op."""
 
 from __future__ import annotations
 
@@ -49,15 +50,15 @@ def backend_grads(impl: Callable, grad: torch.Tensor, inputs: Sequence[torch.Ten
     return grads_by_recompute(lambda *xs: (impl(*xs, layout, **options),), inputs, (grad,), needs_grad)
 
 
-def empty_grads(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What a backward op's fake implementation returns: one contiguous gradient per input."""
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs)
-
-
-def register_recompute_autograd(op, backward_op, *, saved: int, differentiable: int) -> None:
-    """Make `op` differentiable through `backward_op`, which recomputes from the inputs alone: it takes the
-    output gradients, `op`'s first `saved` tensor arguments, which of the first `differentiable` of them need a
-    gradient, and `op`'s remaining arguments, and returns one gradient for each of those `differentiable`."""
+def register_attention_op(op, backward_op, *, saved: int, differentiable: int) -> None:
+    """The fake implementations of an attention op (an output (B, N, H, D_v) like q) and of its backward op (a
+    contiguous gradient like each of q, k, v and the mixing), and `op`'s autograd through `backward_op`, which
+    recomputes from the inputs alone: it takes the output gradients, `op`'s first `saved` tensor arguments, which
+    of the first `differentiable` of them need a gradient, and `op`'s remaining arguments, and returns one gradient
+    for each of those `differentiable`."""
+    op.register_fake(lambda q, k, v, mixing, *rest: q.new_empty(*q.shape[:3], v.shape[-1]))
+    backward_op.register_fake(lambda grad, q, k, v, mixing, *rest: tuple(
+        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, mixing)))
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:saved])

@@ -37,7 +37,7 @@ from .feature_maps import (
     drop_keys,
     resolve_feature_map,
 )
-from .library import backend_grads, empty_grads, register_recompute_autograd
+from .library import backend_grads, register_attention_op
 
 Backend = Literal["auto", "torch", "triton"]
 # Names always accepted as options: a model saved for "triton" still loads where Triton is missing
@@ -256,10 +256,6 @@ def attention_op(q, k, v, mixing, grid, blocks, block_size, causal, feature_map,
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps).contiguous()
 
 
-@attention_op.register_fake
-def _(q, k, v, mixing, *options):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
-
 
 @torch.library.custom_op(
     "mhla_convert::attention_backward", mutates_args=(),
@@ -274,9 +270,4 @@ def attention_backward_op(grad, q, k, v, mixing, needs_grad, grid, blocks, block
     return backend_grads(impl, grad, (q, k, v, mixing), layout, options, needs_grad)
 
 
-@attention_backward_op.register_fake
-def _(grad, q, k, v, mixing, *rest):
-    return empty_grads(q, k, v, mixing)
-
-
-register_recompute_autograd(attention_op, attention_backward_op, saved=4, differentiable=4)
+register_attention_op(attention_op, attention_backward_op, saved=4, differentiable=4)
