@@ -24,7 +24,7 @@ workers=()
 "$py" -c "import xdist" > /dev/null 2>&1 && workers=(-n 8)
 gpu_tests=(tests/test_kernels.py tests/test_exact_triton.py tests/test_exact_blocks_triton.py tests/test_layer.py
     tests/test_llama.py tests/test_gemma3.py tests/test_lm_cache.py tests/test_decode_triton.py tests/test_compile.py
-    tests/test_launch.py)
+    tests/test_launch.py tests/test_joint_triton.py)
 echo "== pytest ${gpu_tests[*]} >> gpu_tests.txt"
 "$py" -m pytest -q ${workers[@]+"${workers[@]}"} -rf -p no:cacheprovider "${gpu_tests[@]}" >> "$out/gpu_tests.txt" 2>&1 \
     || { echo "   failed"; failed=1; }
@@ -48,6 +48,11 @@ for model in dit sana; do
     echo "== $py benchmarks/wan_forward.py --model $model --compile --mode reduce-overhead >> whole_models_compiled.txt"
     "$py" benchmarks/wan_forward.py --model "$model" --compile --mode reduce-overhead \
         >> "$out/whole_models_compiled.txt" 2>&1 || { echo "   failed"; failed=1; }
+done
+: > "$out/joint_models.txt"
+for model in wan2.2-ti2v flux qwen-image hunyuanvideo; do
+    echo "== $py benchmarks/wan_forward.py --model $model >> joint_models.txt"
+    "$py" benchmarks/wan_forward.py --model "$model" >> "$out/joint_models.txt" 2>&1 || { echo "   failed"; failed=1; }
 done
 step whole_models_kernels.txt "$py" benchmarks/wan_forward.py --model dit --compile --mode reduce-overhead --kernels 8
 for model in llama qwen3; do  # both into lm_generate.json and .md
