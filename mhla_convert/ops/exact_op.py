@@ -71,7 +71,6 @@ def exact_attention_op(q, k, v, mixing, key_mask, grid, blocks, block_size, caus
     return impl(q, k, v, mixing, layout, **region, phi=phi, scale=scale, eps=eps, key_mask=key_mask).contiguous()
 
 
-
 @torch.library.custom_op(
     "mhla_convert::exact_attention_backward", mutates_args=(),
     schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? key_mask, bool[] needs_grad, {_ARGS}) "

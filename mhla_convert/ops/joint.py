@@ -157,7 +157,6 @@ def joint_attention_op(q, k, v, mixing, text_mask, grid, blocks, block_size, tex
     return impl(q, k, v, mixing, layout, **options).contiguous()
 
 
-
 @torch.library.custom_op(
     "mhla_convert::joint_attention_backward", mutates_args=(),
     schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? text_mask, bool[] needs_grad, {_ARGS}) "

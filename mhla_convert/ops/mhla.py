@@ -256,7 +256,6 @@ def attention_op(q, k, v, mixing, grid, blocks, block_size, causal, feature_map,
     return impl(q, k, v, mixing, layout, causal=causal, phi=phi, normalize=normalize, scale=scale, eps=eps).contiguous()
 
 
-
 @torch.library.custom_op(
     "mhla_convert::attention_backward", mutates_args=(),
     schema=f"(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor mixing, bool[] needs_grad, {_ARGS}) "
