@@ -173,9 +173,13 @@ def _fsdp_job(rank, world, path, quick, out):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     model.to_empty(device=device)
+    config = model.config  # (to_empty leaves buffers uninitialised: the rotary tables are computed again)
+    tables = type(model.rope)(config.attention_head_dim, config.patch_size, config.rope_max_seq_len)
     with torch.no_grad():
         for name, p in model.named_parameters():  # random weights: only time and memory are measured
             p.normal_(0, 0.02) if p.dim() > 1 and "mixing" not in name else p.fill_(1.0 if "norm" in name else 0.1)
+        for name, buffer in tables.named_buffers():
+            model.rope.get_buffer(name).copy_(buffer)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
