@@ -147,6 +147,9 @@ def convert_command(
     feature_map: Optional[str] = typer.Option(
         None, help="Feature map of the linear part: relu, elu or hedgehog (learned, trained by attention transfer; "
         "runs without the Triton kernels) (default: relu)."),
+    retrieval_heads: Optional[str] = typer.Option(
+        None, help="LMs: key heads that keep softmax over every earlier token in each converted layer, e.g. 0 or 0,3: "
+        "long-range recall, at their share of a full KV cache (default: none)."),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     pipeline: bool = typer.Option(
         False, help="Save a whole diffusers pipeline (the source pipeline's other components + the converted "
@@ -186,6 +189,8 @@ def convert_command(
             options["exact_radius"] = _radius(exact_radius)
         if feature_map is not None:
             options["feature_map"] = feature_map
+        if retrieval_heads is not None:
+            options["retrieval_heads"] = _int_list(retrieval_heads, "--retrieval-heads", "key-head indices", "0,3")
         torch_dtype = parse_dtype(dtype)
         check_options(ratio=ratio, strategy=strategy, **options)
         auto = options["layers"] is None and strategy == "auto"

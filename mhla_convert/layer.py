@@ -8,6 +8,7 @@ optional output norm).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Literal
 
@@ -27,6 +28,7 @@ from .ops.blocks import as_axes, whole_number
 from .ops.exact_blocks import exact_mask, exact_radius_axes
 from .ops.feature_maps import LEARNED_FEATURE_MAPS
 from .ops.mhla import check_options
+from .ops.retrieval import merge_heads, retrieval_attention, split_heads
 
 # (q, k) → (q, k) on (B, N, H, D). A rotary object may also offer `norm_rotate(x, norm, head_dim, backend)`:
 # x (B, N, H·D) → (B, N, H, D) normed across heads and rotated in one pass (Wan's, ops.rotary.InterleavedRotary).
@@ -45,6 +47,9 @@ class MHLAConfig:
     exact_radius: non-causal only: the blocks within this many blocks of a query's own along every grid axis
         (a whole number or one per axis; 0 = its own block) are read with the host's softmax kernel instead of
         linear summaries (ops.exact_blocks); None = pure MHLA.
+    retrieval_heads: causal only: key-head indices whose query heads keep the host's softmax over every earlier
+        token (ops.retrieval) while the other heads run MHLA: a linear summary cannot look a token up far back, these
+        heads can. Costs their share of a full KV cache while decoding; () = none.
     far_init: with an exact region, the initial mixing weight of what lies outside it, relative to the region's 1
         and shaped by `mixing_init` (mixing.region_mixing): 0 starts as the host's attention cut to the region;
         conversion with calibration data fits it per layer (calibrate.py).
@@ -61,6 +66,7 @@ class MHLAConfig:
     window: int = 8
     exact_chunks: int = 0
     exact_radius: int | tuple[int, ...] | None = None
+    retrieval_heads: tuple[int, ...] = ()
     far_init: float = 0.0
     feature_map: str = "relu"
     normalize: bool = True
@@ -99,6 +105,13 @@ class MHLAConfig:
         if not (isinstance(self.far_init, (int, float)) and not isinstance(self.far_init, bool)
                 and 0 <= self.far_init < float("inf")):
             raise ValueError(f"far_init must be a finite number ≥ 0; got {self.far_init!r}")
+        heads = self.retrieval_heads
+        if not (isinstance(heads, (list, tuple)) and all(whole_number(h) is not None and h >= 0 for h in heads)
+                and len(set(heads)) == len(heads)):
+            raise ValueError(f"retrieval_heads must be distinct key-head indices ≥ 0, e.g. [0]; got {heads!r}")
+        self.retrieval_heads = tuple(sorted(operator.index(h) for h in heads))
+        if heads and not self.causal:
+            raise ValueError(f"retrieval_heads={list(heads)} is for causal models (LMs); drop it")
         if self.exact_radius is not None:
             axes = len(self.blocks) if self.blocks is not None else (
                 1 if isinstance(self.exact_radius, int) else len(self.exact_radius))
@@ -111,6 +124,7 @@ class MHLAConfig:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["blocks"] = list(self.blocks) if self.blocks is not None else None
+        out["retrieval_heads"] = list(self.retrieval_heads)
         if isinstance(self.exact_radius, tuple):
             out["exact_radius"] = list(self.exact_radius)
         return out
@@ -153,6 +167,10 @@ class MHLAttention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        retrieval = config.retrieval_heads
+        if retrieval and (max(retrieval) >= self.num_kv_heads or len(retrieval) == self.num_kv_heads):
+            raise ValueError(f"retrieval_heads={list(retrieval)} must name some, not all, of the layer's "
+                             f"{self.num_kv_heads} key heads (indices 0 … {self.num_kv_heads - 1})")
         inner, kv_inner = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.to_q = nn.Linear(dim, inner, bias=qkv_bias)
         self.to_k = nn.Linear(dim, kv_inner, bias=qkv_bias)
@@ -172,7 +190,12 @@ class MHLAttention(nn.Module):
         self.mixing = nn.Parameter(self._initial_mixing().to(device), requires_grad=cfg.learnable_mixing)
         learned = LEARNED_FEATURE_MAPS.get(cfg.feature_map)
         if learned is not None:
-            self.feature_map = learned(self.num_kv_heads, self.head_dim, device=device, dtype=dtype)
+            self.feature_map = learned(self.linear_kv_heads, self.head_dim, device=device, dtype=dtype)
+
+    @property
+    def linear_kv_heads(self) -> int:
+        """The key heads MHLA runs on (all but the retrieval heads); the mixing and feature map are theirs."""
+        return self.num_kv_heads - len(self.config.retrieval_heads)
 
     @property
     def phi(self):
@@ -198,7 +221,10 @@ class MHLAttention(nn.Module):
             region = None if radius is None else exact_mask(cfg.blocks, radius)
         if region is not None:
             mixing = region_mixing(mixing, region, cfg.far_init if far_init is None else far_init)
-        return mixing.expand(self.num_heads, *mixing.shape).clone() if cfg.per_head_mixing else mixing
+        if not cfg.per_head_mixing:
+            return mixing
+        heads = self.num_heads // self.num_kv_heads * self.linear_kv_heads
+        return mixing.expand(heads, *mixing.shape).clone()
 
     def __getattr__(self, name: str):
         return super().__getattr__(self.host_names.get(name, name))
@@ -249,19 +275,25 @@ class MHLAttention(nn.Module):
         """The operator on projected (B, N, H, D) tensors; `grid` is required when non-causal; `key_mask`
         (B, N) bool marks real tokens (False: padding, which no query reads)."""
         cfg = self.config
+        if cfg.causal and cfg.retrieval_heads:
+            (q, qr), (k, kr), (v, vr) = (split_heads(t, cfg.retrieval_heads, self.num_kv_heads) for t in (q, k, v))
+            return merge_heads(self._attend_causal(q, k, v, key_mask), retrieval_attention(qr, kr, vr, key_mask),
+                               cfg.retrieval_heads, self.num_kv_heads)
         if cfg.causal:
-            num_chunks = -(-q.shape[1] // cfg.chunk_size)
-            mixing = toeplitz_causal_mixing(self.mixing, num_chunks)
-            return mhla_attention(
-                q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, exact_chunks=cfg.exact_chunks,
-                key_mask=key_mask, backend=cfg.backend, **self._op_options()
-            )
+            return self._attend_causal(q, k, v, key_mask)
         if grid is None:
             raise ValueError("a non-causal MHLA layer needs the token grid: forward(x, grid=(H, W)) or (T, H, W)")
         return mhla_attention(
             q, k, v, self.mixing, grid=grid, blocks=cfg.blocks, key_mask=key_mask, backend=cfg.backend,
             **self._op_options()
         )
+
+    def _attend_causal(self, q, k, v, key_mask):
+        cfg = self.config
+        num_chunks = -(-q.shape[1] // cfg.chunk_size)
+        mixing = toeplitz_causal_mixing(self.mixing, num_chunks)
+        return mhla_attention(q, k, v, mixing, causal=True, chunk_size=cfg.chunk_size, exact_chunks=cfg.exact_chunks,
+                              key_mask=key_mask, backend=cfg.backend, **self._op_options())
 
     def attend_real(self, q, k, v, real: torch.Tensor | None):
         """The causal parallel form over each row's real tokens alone (`real` (B, N) bool, None: all): padding

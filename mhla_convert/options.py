@@ -43,6 +43,8 @@ def check_mhla_option(name: str, value) -> None:
     context = {}
     if name == "exact_chunks" and whole_number(value) is not None and value > 0:  # legal on a causal layer
         context = {"causal": True, "window": value + 1}
+    if name == "retrieval_heads" and value:  # legal on a causal layer
+        context = {"causal": True}
     MHLAConfig(**{**context, name: value})
 
 
@@ -89,7 +91,7 @@ def check_mhla_options(mhla_options: dict, *, causal: bool | None = None, defaul
         raise ValueError(f"{said('exact_chunks')} must be < {said('window')}: the exact chunks are the nearest of "
                          f"the window's; set exact_chunks to at most {window - 1} or window to at least {chunks + 1}")
     if causal is None:  # the family's, later: checked here as either kind may be
-        causal = bool(chunks)
+        causal = bool(chunks or options.get("retrieval_heads"))
     if not window_known and chunks:
         options["window"] = chunks + 1
     MHLAConfig(**{**options, "causal": causal})

@@ -8,8 +8,9 @@ for `save_pretrained`), not `generate`, not a user-made cache. Softmax layers of
 their ordinary KV layers.
 
 Each MHLA cache layer holds a `DecodeState` (ops/recurrent.py): fixed-shape tensors allocated at the
-prompt and updated in place. The layer subclasses the one it replaces, so transformers sizes the
-masks of the softmax layers and counts tokens the same way whichever layer it asks:
+prompt and updated in place (with retrieval heads, also their keys and values: a static cache's length of them).
+The layer subclasses the one it replaces, so transformers sizes the masks of the softmax layers and counts tokens
+the same way whichever layer it asks:
 `MHLACacheLayer` (a `DynamicLayer`), `MHLAStaticLayer` (a `StaticLayer`: compileable, its length a
 tensor, every tensor at a static address) and `MHLAStaticSlidingLayer` (a `StaticSlidingWindowLayer`,
 for sliding-window hosts such as Mistral, with that class's length bookkeeping).
@@ -37,6 +38,7 @@ class _MHLASlot:
     def _init_slot(self) -> None:
         self.state: DecodeState | None = None
         self.has_state = False  # False until the prompt: the next call runs the parallel form
+        self.capacity: int | None = None  # tokens the cache holds, where fixed (a static cache's retrieval heads)
 
     def _count(self, tokens: int) -> None:
         raise NotImplementedError
@@ -55,7 +57,12 @@ class _MHLASlot:
         """Start from a prompt: k, v (B, N, H_kv, D) hold each row's `lengths` real tokens first;
         `tokens` is the number of cache positions the call consumed (padding included); `feature_map`: the
         layer's (`MHLAttention.phi`)."""
-        state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state, feature_map=feature_map)
+        if config.retrieval_heads and isinstance(self, StaticSlidingWindowLayer):
+            raise ValueError("retrieval heads read every earlier token, which a sliding-window cache layer does not "
+                             "keep: decode with the dynamic cache (cache_implementation='dynamic') or convert without "
+                             "retrieval_heads")
+        state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state, feature_map=feature_map,
+                                        capacity=self.capacity)
         if state is not self.state:
             self.state = state
             self._allocated(state)
@@ -127,6 +134,7 @@ class MHLAStaticLayer(_MHLASlot, StaticLayer):
     def __init__(self, max_cache_len: int, **kwargs):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
         self._init_slot()
+        self.capacity = max_cache_len
 
     def _allocated(self, state: DecodeState) -> None:
         self.device = state.position.device

@@ -30,6 +30,9 @@ key/value numbers in the model dtype, per row.
 With `exact_chunks = L > 0` (ops.exact_local) the same ring, (L + 2)·C slots, is the exact window:
 a token reads the ring's tokens of its own chunk and the L − 1 before it with the softmax kernel,
 and only the summaries of older chunks.
+
+With retrieval heads (ops.retrieval) the state covers the MHLA heads alone and keeps a `RetrievalCache`, the
+retrieval heads' keys and values, beside it; every method below serves both.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from .dispatch import select
 from .exact_local import read_window, window_relative
 from .feature_maps import resolve_feature_map
+from .retrieval import RetrievalCache, merge_heads, split_heads
 
 if TYPE_CHECKING:
     from ..layer import MHLAConfig
@@ -95,24 +99,33 @@ class DecodeState:
         self.ring_k = zeros(batch, self.slots, kv_heads, dim, dtype=dtype)
         self.ring_v = zeros(batch, self.slots, kv_heads, dv, dtype=dtype)
         self.arrivals = zeros(batch, kv_heads, dtype=torch.int32)  # the fused step's counter, 0 between steps
+        self.retrieval: RetrievalCache | None = None  # the retrieval heads' keys and values (`from_prompt`)
+        self.retrieval_heads, self.all_kv_heads = (), kv_heads
 
     @classmethod
     def from_prompt(cls, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, config: MHLAConfig,
-                    reuse: DecodeState | None = None, feature_map=None) -> DecodeState:
+                    reuse: DecodeState | None = None, feature_map=None, capacity: int | None = None) -> DecodeState:
         """A state started from a prompt of keys k (B, N, H_kv, D) and values v (B, N, H_kv, Dv) that hold each row's
         `lengths` real tokens first, for a causal layer of `config`: `reuse`, restarted in place where it fits (a
-        static cache's), else a new one. `feature_map`: the layer's (`MHLAttention.phi`), if not the config's."""
+        static cache's), else a new one. `feature_map`: the layer's (`MHLAttention.phi`), if not the config's;
+        `capacity`: the tokens a static cache holds (its retrieval heads' buffers; None: they grow)."""
         feature_map = config.feature_map if feature_map is None else feature_map
         settings = dict(chunk_size=config.chunk_size, window=config.window, feature_map=feature_map,
                         exact_chunks=config.exact_chunks)
+        all_kv_heads, retrieval = k.shape[2], config.retrieval_heads
+        if retrieval:
+            (k, kr), (v, vr) = split_heads(k, retrieval, all_kv_heads), split_heads(v, retrieval, all_kv_heads)
         state = reuse
         if state is None or not state.fits(k, v, **settings):
             state = cls(k.shape[0], k.shape[2], k.shape[3], v.shape[3], dtype=k.dtype, device=k.device, **settings)
         state.prefill(k, v, lengths, backend=config.backend)
+        state.retrieval_heads, state.all_kv_heads = retrieval, all_kv_heads
+        state.retrieval = RetrievalCache.from_prompt(kr, vr, lengths, capacity, state.retrieval) if retrieval else None
         return state
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, name) for name in FIELDS]
+        """The state's tensors: `FIELDS` in order, then the retrieval heads' keys, values and positions."""
+        return [getattr(self, name) for name in FIELDS] + (self.retrieval.tensors() if self.retrieval else [])
 
     def fits(self, k: torch.Tensor, v: torch.Tensor, chunk_size: int, window: int, feature_map,
              exact_chunks: int = 0) -> bool:
@@ -189,6 +202,15 @@ class DecodeState:
     def steps(self, q, k, v, real: torch.Tensor | None, relative: torch.Tensor, config: MHLAConfig) -> torch.Tensor:
         """Continue every row token by token: q (B, N, H, D), k (B, N, H_kv, D), v (B, N, H_kv, Dv), `real` (B, N)
         bool marks non-padding (None: all), `relative` (W,) or (H, W) the mixing → output (B, N, H, Dv)."""
+        if self.retrieval is not None:
+            heads = self.retrieval_heads, self.all_kv_heads
+            (q, qr), (k, kr), (v, vr) = (split_heads(t, *heads) for t in (q, k, v))
+            far = [self.retrieval.step(qr[:, t : t + 1], kr[:, t : t + 1], vr[:, t : t + 1],
+                                       None if real is None else real[:, t]) for t in range(q.shape[1])]
+            return merge_heads(self._linear_steps(q, k, v, real, relative, config), torch.cat(far, 1), *heads)
+        return self._linear_steps(q, k, v, real, relative, config)
+
+    def _linear_steps(self, q, k, v, real, relative, config: MHLAConfig) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if config.scale is None else config.scale
         outs = [
             self.step(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], None if real is None else real[:, t],
@@ -319,6 +341,8 @@ class DecodeState:
         self.cur_z.copy_(fk.sum(1))
         self.back_valid.logical_and_(~into_previous)
         self.position.copy_(position)
+        if self.retrieval is not None:
+            self.retrieval.rollback(tokens)
 
     @torch.no_grad()
     def reorder(self, index: torch.Tensor) -> None:
@@ -330,8 +354,12 @@ class DecodeState:
         """Replace every tensor by fn(tensor) (batch reshaping; changes shapes, so not for a static cache)."""
         for name in FIELDS:
             setattr(self, name, fn(getattr(self, name)))
+        if self.retrieval is not None:
+            self.retrieval.map(fn)
 
     @torch.no_grad()
     def reset(self) -> None:
-        for t in self.tensors():
-            t.zero_()
+        for name in FIELDS:
+            getattr(self, name).zero_()
+        if self.retrieval is not None:
+            self.retrieval.reset()

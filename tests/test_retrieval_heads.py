@@ -1,0 +1,213 @@
+"""Retrieval heads: key heads of a causal MHLA layer that keep softmax over every earlier token, in the parallel
+form (against an O(N²) reference), decoding (dynamic and static caches, padding, beam search, rollback), options
+and save → reload."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mhla_convert.convert import convert
+from mhla_convert.families import adapter_for_family
+from mhla_convert.io import save_pretrained
+from mhla_convert.layer import MHLAConfig, MHLAttention
+from mhla_convert.ops.reference import mhla_attention_reference
+from mhla_convert.ops.retrieval import merge_heads, retrieval_attention, split_heads
+from mhla_convert.options import check_mhla_options
+
+ADAPTER = adapter_for_family("llama")
+C = 8
+
+
+def naive_softmax(q, k, v, key_mask=None):
+    """Causal softmax from the definition: q (B, N, Hq, D), k / v (B, N, Hk, ·)."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+    n = q.shape[1]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    if key_mask is not None:
+        allowed = allowed & (key_mask[:, None, None, :] | torch.eye(n, dtype=torch.bool))
+    return torch.einsum("bhts,bshe->bthe", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_retrieval_attention_equals_masked_softmax(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 37, h, 16, generator=g).to(dtype).requires_grad_() for h in (4, 2, 2))
+    key_mask = torch.rand(3, 37, generator=g) > 0.3
+    for mask in (None, key_mask):
+        got, want = retrieval_attention(q, k, v, mask), naive_softmax(q, k, v, mask)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+    for got_grad, want_grad in zip(grads, torch.autograd.grad(want.float().square().sum(), (q, k, v))):
+        torch.testing.assert_close(got_grad, want_grad, atol=5 * tol, rtol=5 * tol)
+
+
+def test_split_and_merge_are_inverse():
+    x = torch.randn(2, 5, 6, 3)  # 6 query heads over 3 key heads
+    linear, far = split_heads(x, (1,), 3)
+    assert torch.equal(far, x[:, :, 2:4]) and torch.equal(linear, x[:, :, [0, 1, 4, 5]])
+    assert torch.equal(merge_heads(linear, far, (1,), 3), x)
+
+
+def layer(retrieval, **options) -> MHLAttention:
+    torch.manual_seed(0)
+    cfg = MHLAConfig(causal=True, chunk_size=C, window=4, exact_chunks=2, retrieval_heads=retrieval, **options)
+    return MHLAttention(48, 4, num_kv_heads=2, config=cfg)
+
+
+@pytest.mark.parametrize("options", [{}, {"feature_map": "hedgehog", "per_head_mixing": True}])
+def test_layer_equals_reference_per_head_kind(options):
+    """Retrieval heads equal the causal softmax; the other heads equal the MHLA reference on their own heads with
+    the layer's mixing and feature map, which are sized for them alone."""
+    m = layer((1,), **options)
+    linear_heads = 2 if options.get("per_head_mixing") else None
+    assert m.linear_kv_heads == 1 and (linear_heads is None or m.mixing.shape[0] == linear_heads)
+    q, k, v = (torch.randn(2, 29, h, 12) for h in (4, 2, 2))
+    out = m.attend(q, k, v)
+    torch.testing.assert_close(out[:, :, 2:], naive_softmax(q[:, :, 2:], k[:, :, 1:], v[:, :, 1:]))
+    from mhla_convert.mixing import toeplitz_causal_mixing
+
+    mixing = toeplitz_causal_mixing(m.mixing, -(-29 // C)).detach()
+    want = mhla_attention_reference(q[:, :, :2], k[:, :, :1], v[:, :, :1], mixing, causal=True, chunk_size=C,
+                                    exact_chunks=2, feature_map=m.phi)
+    torch.testing.assert_close(out[:, :, :2], want, atol=1e-5, rtol=1e-4)
+    out.square().sum().backward()
+    assert m.mixing.grad is not None and m.mixing.grad.abs().sum() > 0
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="distinct key-head indices"):
+        MHLAConfig(causal=True, retrieval_heads=[0, 0])
+    with pytest.raises(ValueError, match="for causal models"):
+        MHLAConfig(retrieval_heads=[0])
+    with pytest.raises(ValueError, match="some, not all"):
+        layer((0, 1))
+    with pytest.raises(ValueError, match="some, not all"):
+        layer((2,))
+    check_mhla_options({"retrieval_heads": [1]})
+    with pytest.raises(ValueError, match="for causal models"):
+        check_mhla_options({"retrieval_heads": [1]}, causal=False)
+    assert MHLAConfig.from_dict(MHLAConfig(causal=True, retrieval_heads=[3, 1]).to_dict()).retrieval_heads == (1, 3)
+
+
+def converted(family="llama", seed=0, **options):
+    torch.manual_seed(seed)
+    model = ADAPTER.build(ADAPTER.tiny_configs()[f"tiny-{family}"]).eval()
+    convert(model, ratio=1.0, chunk_size=C, retrieval_heads=[1], **options)
+    return model
+
+
+def generate(model, prompt, mask=None, new=12, **kw):
+    mask = torch.ones_like(prompt) if mask is None else mask
+    return model.generate(prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          return_dict_in_generate=True, output_logits=True, **kw)
+
+
+def ids(batch=2, length=27, seed=1):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    torch.testing.assert_close(torch.stack(a.logits), torch.stack(b.logits), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{}, {"feature_map": "hedgehog"}])
+def test_cached_generation_equals_no_cache(options):
+    model = converted("qwen3", **options)
+    prompt = ids()
+    uncached = generate(model, prompt, use_cache=False)
+    assert_same(generate(model, prompt), uncached)
+    assert_same(generate(model, prompt, cache_implementation="static"), uncached)
+    assert_same(generate(model, prompt, num_beams=2), generate(model, prompt, num_beams=2, use_cache=False))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_batch_equals_rows_alone(cache):
+    model = converted()
+    rows = [ids(1, n, seed=n)[0] for n in (21, 30, 13)]
+    length = max(len(r) for r in rows)
+    prompt = torch.stack([torch.cat([torch.zeros(length - len(r), dtype=torch.long), r]) for r in rows])
+    mask = (torch.arange(length) >= torch.tensor([length - len(r) for r in rows])[:, None]).long()
+    batch = generate(model, prompt, mask=mask, new=8, cache_implementation=cache)
+    for i, row in enumerate(rows):
+        alone = generate(model, row[None], new=8, cache_implementation=cache)
+        assert torch.equal(batch.sequences[i, length:], alone.sequences[0, len(row):])
+        torch.testing.assert_close(torch.stack(batch.logits)[:, i], torch.stack(alone.logits)[:, 0],
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_buffers_grow_past_the_prompt():
+    model = converted()
+    prompt = ids(length=5)  # the buffers start at 64 tokens: 70 new tokens make them grow
+    assert_same(generate(model, prompt, new=70), generate(model, prompt, new=70, use_cache=False))
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_rollback_in_assisted_decoding(cache):
+    model = converted()
+    assistant = converted(seed=0)
+    with torch.no_grad():
+        for p in assistant.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    prompt = ids(batch=1)
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    try:
+        assisted = generate(model, prompt, new=16, assistant_model=assistant, **kw)
+    except ValueError as e:  # transformers < 5.24 refuses static caches here
+        if "not supported with Static cache" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert torch.equal(assisted.sequences, generate(model, prompt, new=16, **kw).sequences)
+
+
+def test_sliding_window_cache_refused_by_name():
+    model = converted("mistral")
+    with pytest.raises(ValueError, match="retrieval heads read every earlier token"):
+        generate(model, ids(), cache_implementation="static")
+
+
+def test_save_reload_gives_identical_outputs(tmp_path):
+    model = converted(feature_map="hedgehog")
+    prompt = ids()
+    with torch.no_grad():
+        expected = model(prompt).logits
+        loaded = AutoModelForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "ckpt")).eval()
+        assert loaded.model.layers[0].self_attn.config.retrieval_heads == (1,)
+        assert torch.equal(loaded(prompt).logits, expected)
+
+
+def test_compiled_static_generation_equals_dynamic():
+    """generate()'s compiled decoding step (forced on CPU): one graph, no recompilation from token to token."""
+    from transformers import CompileConfig
+
+    model = converted()
+    prompt = ids()
+    dynamic = generate(model, prompt, new=5)
+    compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None, dynamic=False)
+    compile_config._compile_all_devices = True  # generate() compiles on accelerators only, unless told
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            static = generate(model, prompt, new=5, cache_implementation="static", compile_config=compile_config)
+    finally:
+        torch._dynamo.reset()
+    assert hasattr(model, "_compiled_call")
+    assert_same(static, dynamic)
+
+
+def test_command_line_option(tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert import from_pretrained
+    from mhla_convert.cli import app
+
+    result = CliRunner().invoke(app, ["convert", "tiny-llama", "--retrieval-heads", "1", "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    assert from_pretrained(tmp_path / "m").mhla_plan["mhla_config"]["retrieval_heads"] == [1]
+    result = CliRunner().invoke(app, ["convert", "tiny-dit", "--retrieval-heads", "0", "--out", str(tmp_path / "d")])
+    assert result.exit_code != 0 and "is for causal models" in result.output
