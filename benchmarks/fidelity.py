@@ -132,12 +132,13 @@ class Miniature:
     variants: dict = field(default_factory=dict)  # name -> (label, conversion section, transfer, objective)
 
 
-def miniatures(quick: bool) -> dict[str, Miniature]:
+def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Miniature]:
+    """The two miniatures and their variants; `lm_heads`: the LM's query and key heads."""
     from transformers import LlamaConfig
 
     width, layers = (64, 2) if quick else (256, 6)
     lm = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 3, num_hidden_layers=layers,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     num_attention_heads=lm_heads[0], num_key_value_heads=lm_heads[1], max_position_embeddings=4096,
                      architectures=["LlamaForCausalLM"]).to_dict()
     dit = dict(num_attention_heads=4, attention_head_dim=width // 4, in_channels=1, out_channels=1, num_layers=layers,
                sample_size=16, patch_size=1, num_embeds_ada_norm=10, norm_num_groups=1)
@@ -151,6 +152,7 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
         "softmax": ("original, fine-tuned alike", {"ratio": 0.0}, False, {}),
     }
     hedgehog = {"feature_map": "hedgehog"}
+    retrieval = {"retrieval_heads": [0]}  # the query heads of key head 0 keep softmax over every earlier token
     chunk = 16 if quick else 64
     # the same exact span (up to 2 default chunks) and mixing reach in chunks of a half and a quarter of the default
     half = {"chunk_size": chunk // 2, "exact_chunks": 4, "window": 16}
@@ -174,6 +176,15 @@ def miniatures(quick: bool) -> dict[str, Miniature]:
                                                                              "options": quarter}, True, {}),
         "full-quarter-hedgehog-distill": ("full MHLA, quarter chunks, Hedgehog, distilled",
                                           {"ratio": 1.0, "options": {**quarter, **hedgehog}}, True, {"distill": 1.0}),
+        "local-retrieval": ("sliding window, one retrieval key head, fine-tuned",
+                            {"ratio": 1.0, "attention": "local", "options": retrieval}, True, {}),
+        "full-retrieval": ("full MHLA, one retrieval key head", {"ratio": 1.0, "options": retrieval}, True, {}),
+        "full-hedgehog-distill-retrieval": ("full MHLA, Hedgehog, distilled, one retrieval key head",
+                                            {"ratio": 1.0, "options": {**hedgehog, **retrieval}}, True,
+                                            {"distill": 1.0}),
+        # one softmax layer: the layer hybrid whose KV cache is nearest one retrieval key head's
+        "hybrid-auto-one": ("hybrid, one softmax layer (auto)", {"ratio": 1 - 1 / layers, "strategy": "auto"}, True,
+                            {}),
     }
     dit_variants = {
         **shared,
@@ -319,7 +330,7 @@ def point(curve: list[dict], step: int | None = None, stage: str | None = None) 
     return rows[-1]["gap"] if rows else None
 
 
-REGION_OPTIONS = ("chunk_size", "exact_chunks", "exact_radius")
+REGION_OPTIONS = ("chunk_size", "exact_chunks", "exact_radius", "retrieval_heads")
 
 
 def truncation_of(name: str, mini: Miniature) -> str | None:
@@ -427,6 +438,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-rows", type=float, default=0.0,
                         help="LM: fraction of training rows that repeat a 256-byte span, so that the original learns "
                              "long-range copying and the recall probe separates the designs")
+    parser.add_argument("--lm-heads", default="4/2", help="LM: query / key heads per layer, e.g. 8/8 (default 4/2)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
 
 
@@ -434,6 +446,11 @@ def settle_training(args: argparse.Namespace) -> argparse.Namespace:
     """--quick's tiny budget, and the training precision of the device."""
     if args.quick:
         args.transfer_steps, args.finetune_steps, args.eval_every = 2, 4, 2
+    heads = args.lm_heads.split("/")
+    if len(heads) != 2 or not all(h.isdigit() and int(h) > 0 for h in heads) or int(heads[0]) % int(heads[1]):
+        raise SystemExit(f"--lm-heads must be QUERY/KEY heads, a multiple over a whole number, e.g. 8/8; "
+                         f"got {args.lm_heads!r}")
+    args.lm_heads = (int(heads[0]), int(heads[1]))
     args.precision = "bf16" if torch.cuda.is_available() else "no"
     return args
 
@@ -447,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     args = settle_training(parser.parse_args(argv))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kinds = args.kinds.split(",")
-    minis = {kind: mini for kind, mini in miniatures(args.quick).items() if kind in kinds}
+    minis = {kind: mini for kind, mini in miniatures(args.quick, args.lm_heads).items() if kind in kinds}
     chosen = None if args.variants is None else [v.strip() for v in args.variants.split(",")]
     known = set().union(*(m.variants for m in minis.values()))
     if chosen is not None and set(chosen) - known:

@@ -178,7 +178,8 @@ def _step_fn(model, mode: str):
 
 
 def cache_bytes(cache) -> int:
-    """Bytes of the tensors a cache's layers hold, directly or in an object they hold (an MHLA layer's state)."""
+    """Bytes of the tensors a cache's layers hold, directly or in objects they hold (an MHLA layer's state and its
+    retrieval heads' keys and values)."""
     tensors = {}
 
     def visit(obj, depth):
@@ -189,7 +190,7 @@ def cache_bytes(cache) -> int:
                 visit(value, depth - 1)
 
     for layer in cache.layers:
-        visit(layer, 1)
+        visit(layer, 2)
     return sum(tensors.values())
 
 
