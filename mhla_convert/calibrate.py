@@ -8,6 +8,10 @@ fitted, so it sees the inputs it will get) tries every far weight in `CANDIDATES
 and keeps the one whose output is closest to the original's (mean squared error). 0 is a candidate, so no layer
 starts further from its original than the cut attention does on that data.
 
+Retrieval heads (`convert(retrieval_share=...)`, ops.retrieval) are chosen on the same data, before any layer
+changes: `retrieval_scores` measures how sharply each key head of the original retrieves tokens beyond the exact
+region.
+
 Also what conversion and layer scoring (sensitivity.py) share about calibration batches: checking them
 (`check_calibration`) and the inputs a layer gets on one (`inputs_of`).
 """
@@ -20,7 +24,8 @@ import torch
 from torch import nn
 
 from .finite import main_output
-from .layer import MHLAttention
+from .layer import MHLAConfig, MHLAttention
+from .ops.retrieval import far_retrieval
 from .plan import AUTO_NEEDS_CALIBRATION
 
 CANDIDATES = (0.0, *(2.0**e for e in range(-6, 7)))  # 0, 1/64 … 64 (above 1 the region's weight drops below 1)
@@ -65,6 +70,42 @@ def original_calls(model: nn.Module, original: nn.Module, batches: list[dict]):
         return calls, [main_output(original(*args, **kwargs)) for args, kwargs in calls]
     finally:
         model.train(training)
+
+
+class _Projected(Exception):
+    pass
+
+
+@torch.no_grad()
+def retrieval_scores(model: nn.Module, adapter, indices: list[int], config: MHLAConfig,
+                     batches: list[dict]) -> dict[int, torch.Tensor]:
+    """{layer: `far_retrieval` per key head} of the original's layers `indices` on `batches` (ops.retrieval): each
+    layer's q and k come from an MHLA layer built over the original (the host's projections, norms and RoPE), which
+    leaves the model as it is."""
+    build = getattr(adapter, "attention_class", None)
+    if build is None or not config.causal:
+        raise ValueError(f"retrieval heads are for causal LMs; {adapter.name} has none: drop retrieval_share")
+    probe_config = config.replace(retrieval_heads=())
+    scores = {}
+    for i in indices:
+        original = adapter.attention_modules(model)[i]
+        probe = build(original, probe_config)
+        total = 0
+        for args, kwargs in original_calls(model, original, batches)[0]:
+            seen = {}
+
+            def capture(q, k, v, *rest, **options):
+                seen["qk"] = q, k
+                raise _Projected
+
+            probe.attend = capture  # (an instance attribute: this probe's operator only)
+            try:
+                probe(*args, **kwargs)
+            except _Projected:
+                pass
+            total = total + far_retrieval(*seen["qk"], config.chunk_size, config.exact_chunks)
+        scores[i] = (total / len(batches)).cpu()
+    return scores
 
 
 def check_calibration(calibration: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

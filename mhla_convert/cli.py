@@ -150,6 +150,9 @@ def convert_command(
     retrieval_heads: Optional[str] = typer.Option(
         None, help="LMs: key heads that keep softmax over every earlier token in each converted layer, e.g. 0 or 0,3: "
         "long-range recall, at their share of a full KV cache (default: none)."),
+    retrieval_share: float = typer.Option(
+        0.0, help="LMs: share of the converted layers' key heads kept softmax, chosen on --calibration: those whose "
+        "attention retrieves single tokens beyond the exact chunks most sharply (instead of --retrieval-heads)."),
     out: Optional[Path] = typer.Option(None, help="Where to save the converted model (default: ./<model>-mhla)."),
     pipeline: bool = typer.Option(
         False, help="Save a whole diffusers pipeline (the source pipeline's other components + the converted "
@@ -169,7 +172,7 @@ def convert_command(
     """Convert MODEL's self-attention to MHLA, print the report, save it (and push it)."""
     verbosity.configure_libraries()
     from .calibrate import fits_far_weight
-    from .convert import check_conversion, convert
+    from .convert import check_conversion, check_retrieval_share, convert
     from .experts import EXPERTS, convert_pipeline, load_experts
     from .io import check_save_target, save_pretrained
     from .locations import SOURCE_ATTR
@@ -196,9 +199,12 @@ def convert_command(
         auto = options["layers"] is None and strategy == "auto"
         if auto and calibration is None:
             raise ValueError(AUTO_NEEDS_CALIBRATION)
-        useless_calibration = ("--calibration ranks layers for --strategy auto (without --layers) and fits the weight "
-                               "outside an exact region (--attention mhla); drop it or add --strategy auto")
-        if calibration is not None and not auto and attention != "mhla":
+        if retrieval_share and calibration is None:
+            raise ValueError("--retrieval-share chooses heads on calibration data: add --calibration")
+        useless_calibration = ("--calibration ranks layers for --strategy auto (without --layers), fits the weight "
+                               "outside an exact region (--attention mhla) and chooses retrieval heads "
+                               "(--retrieval-share); drop it or add --strategy auto")
+        if calibration is not None and not auto and attention != "mhla" and not retrieval_share:
             raise ValueError(useless_calibration)
         if fit_steps and not auto:
             raise ValueError("--fit-steps is for --strategy auto (without --layers); drop it or add --strategy auto")
@@ -215,7 +221,8 @@ def convert_command(
         skeleton = source_meta_model(source)  # the options against the model's config, before its weights load
         if skeleton is not None:
             resolved = check_conversion(skeleton, ratio=ratio, strategy=strategy, **options)
-            if calibration is not None and not auto and not fits_far_weight(resolved, attention):
+            check_retrieval_share(retrieval_share, resolved, calibration)
+            if calibration is not None and not (auto or retrieval_share or fits_far_weight(resolved, attention)):
                 raise ValueError(useless_calibration)
         if calibration is not None:
             _check_calibration(skeleton, calibration)
@@ -225,6 +232,8 @@ def convert_command(
         if calibration is not None:
             with _step(f"reading {calibration_batches} calibration examples from {calibration}"):
                 options["calibration"] = _calibration(base, calibration, calibration_batches)
+        if retrieval_share:
+            options["retrieval_share"] = retrieval_share
         with _step("converting"):
             report = (partial(convert_pipeline, experts) if experts else partial(convert, base))(
                 ratio=ratio, strategy=strategy, fit_steps=fit_steps, progress=verbosity.level() != verbosity.QUIET,

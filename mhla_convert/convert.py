@@ -9,10 +9,11 @@ from typing import Any, Iterable
 from torch import nn
 from tqdm.auto import tqdm
 
-from .calibrate import check_calibration, fit_far_weight, fits_far_weight, original_calls
+from .calibrate import check_calibration, fit_far_weight, fits_far_weight, original_calls, retrieval_scores
 from .families import adapter_for_model
 from .layer import MHLAConfig
 from .ops.blocks import whole_number
+from .ops.retrieval import choose_retrieval_heads
 from .options import check_options, parse_blocks, resolve_config
 from .plan import AUTO_NEEDS_CALIBRATION, layers_of_type, plan_layers
 from .sensitivity import layer_sensitivity
@@ -20,8 +21,9 @@ from .sensitivity import layer_sensitivity
 __all__ = ["ConversionReport", "LayerReport", "PLAN_ATTR", "apply_plan", "check_conversion", "convert", "parse_blocks"]
 
 PLAN_ATTR = "mhla_plan"  # set on a converted model: everything save/reload needs to redo it
-UNUSED_CALIBRATION = ("calibration data ranks layers for strategy 'auto' (without a layers list) and fits the weight "
-                      "outside an exact region; this conversion does neither: drop it or use strategy='auto'")
+UNUSED_CALIBRATION = ("calibration data ranks layers for strategy 'auto' (without a layers list), fits the weight "
+                      "outside an exact region and chooses retrieval heads (retrieval_share); this conversion does "
+                      "none of these: drop it or use strategy='auto'")
 
 
 @dataclass
@@ -76,7 +78,7 @@ class ConversionReport:
 
 def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None,
             attention: str = "mhla", calibration: Iterable[dict[str, Any]] | None = None, fit_steps: int = 0,
-            progress: bool = True, **mhla_options) -> ConversionReport:
+            retrieval_share: float = 0.0, progress: bool = True, **mhla_options) -> ConversionReport:
     """Convert `model`'s self-attention layers to MHLA in place and return a report.
 
     ratio / strategy / layers choose the layers (see `plan.plan_layers`); strategy "auto" scores
@@ -84,7 +86,9 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     `sensitivity.layer_sensitivity`: `fit_steps` > 0 fits each scored layer briefly first, `progress`
     shows a progress bar) and converts the least
     sensitive ones; with an exact region (`exact_chunks`, `exact_radius`) the batches also fit each layer's weight
-    outside it (`calibrate.py`). attention "linear" is plain linear attention (M = 1, see `options`); blocks
+    outside it (`calibrate.py`). `retrieval_share` > 0 keeps that share of the converted layers' key heads softmax
+    (retrieval heads, ops.retrieval): those whose original attention retrieves single tokens beyond the exact region
+    most sharply on `calibration`. attention "linear" is plain linear attention (M = 1, see `options`); blocks
     overrides the family's default block layout ("4x4", (7, 3, 5)); other keywords are `MHLAConfig`
     fields. Only the new MHLA parameters are initialised; pretrained weights move into the new layers.
     A diffusers pipeline converts every transformer it holds (Wan2.2-A14B's two experts) with one plan
@@ -92,6 +96,9 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     """
     if not isinstance(model, nn.Module) and hasattr(model, "components"):  # a diffusers pipeline
         from .experts import convert_pipeline
+
+        if retrieval_share:
+            raise ValueError("retrieval_share is for causal models (LMs): drop it")
 
         return convert_pipeline(model, ratio=ratio, strategy=strategy, layers=layers, blocks=blocks,
                                 attention=attention, calibration=calibration, fit_steps=fit_steps, progress=progress,
@@ -104,9 +111,10 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     num_layers = len(adapter.attention_modules(model))
     auto = layers is None and strategy == "auto"
     fit_far = fits_far_weight(config, attention)
+    check_retrieval_share(retrieval_share, config, calibration)
     if auto and calibration is None:
         raise ValueError(AUTO_NEEDS_CALIBRATION)
-    if not (auto or fit_far) and calibration is not None:
+    if not (auto or fit_far or retrieval_share) and calibration is not None:
         raise ValueError(UNUSED_CALIBRATION)
     if whole_number(fit_steps) is None or fit_steps < 0:
         raise ValueError(f"fit_steps must be a whole number ≥ 0; got {fit_steps!r}")
@@ -116,6 +124,13 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     if auto:
         sensitivity = layer_sensitivity(model, calibration, config, fit_steps=fit_steps, progress=progress)
     indices = plan_layers(num_layers, ratio=ratio, strategy=strategy, layers=layers, sensitivity=sensitivity)
+    if retrieval_share and indices:
+        scores = retrieval_scores(model, adapter, indices, config, check_calibration(calibration))
+        config = config.replace(retrieval_heads=choose_retrieval_heads(scores, retrieval_share))
+    per_layer = config.retrieval_heads if isinstance(config.retrieval_heads, dict) else {}
+    if set(per_layer) - set(indices):
+        raise ValueError(f"retrieval_heads names layers {sorted(set(per_layer) - set(indices))}, which are not "
+                         f"converted (converted: {indices}); name converted layers only")
 
     chosen_by = "explicit" if layers is not None else strategy
     report = ConversionReport(adapter.name, num_layers, indices, config=config.to_dict(), attention=attention,
@@ -136,6 +151,18 @@ def convert(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", l
     })
     adapter.mark_converted(model)  # its library's loaders now reload it converted (io.py)
     return report
+
+
+def check_retrieval_share(share, config: MHLAConfig, calibration) -> None:
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share < 1:
+        raise ValueError(f"retrieval_share must be a number in [0, 1) (the share of key heads kept softmax); "
+                         f"got {share!r}")
+    if share and not config.causal:
+        raise ValueError("retrieval_share is for causal models (LMs): drop it")
+    if share and config.retrieval_heads:
+        raise ValueError("retrieval_share chooses the retrieval heads: drop retrieval_heads, or retrieval_share")
+    if share and calibration is None:
+        raise ValueError("retrieval_share chooses heads on calibration data: give calibration batches")
 
 
 def check_conversion(model: nn.Module, *, ratio: float = 1.0, strategy: str = "spread", layers=None, blocks=None,

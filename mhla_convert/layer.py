@@ -49,7 +49,8 @@ class MHLAConfig:
         linear summaries (ops.exact_blocks); None = pure MHLA.
     retrieval_heads: causal only: key-head indices whose query heads keep the host's softmax over every earlier
         token (ops.retrieval) while the other heads run MHLA: a linear summary cannot look a token up far back, these
-        heads can. Costs their share of a full KV cache while decoding; () = none.
+        heads can. Costs their share of a full KV cache while decoding; () = none. The same heads in every layer,
+        or {layer index: heads} (`for_layer` gives one layer's; `convert(retrieval_share=...)` picks them).
     far_init: with an exact region, the initial mixing weight of what lies outside it, relative to the region's 1
         and shaped by `mixing_init` (mixing.region_mixing): 0 starts as the host's attention cut to the region;
         conversion with calibration data fits it per layer (calibrate.py).
@@ -66,7 +67,7 @@ class MHLAConfig:
     window: int = 8
     exact_chunks: int = 0
     exact_radius: int | tuple[int, ...] | None = None
-    retrieval_heads: tuple[int, ...] = ()
+    retrieval_heads: tuple[int, ...] | dict[int, tuple[int, ...]] = ()
     far_init: float = 0.0
     feature_map: str = "relu"
     normalize: bool = True
@@ -105,13 +106,9 @@ class MHLAConfig:
         if not (isinstance(self.far_init, (int, float)) and not isinstance(self.far_init, bool)
                 and 0 <= self.far_init < float("inf")):
             raise ValueError(f"far_init must be a finite number ≥ 0; got {self.far_init!r}")
-        heads = self.retrieval_heads
-        if not (isinstance(heads, (list, tuple)) and all(whole_number(h) is not None and h >= 0 for h in heads)
-                and len(set(heads)) == len(heads)):
-            raise ValueError(f"retrieval_heads must be distinct key-head indices ≥ 0, e.g. [0]; got {heads!r}")
-        self.retrieval_heads = tuple(sorted(operator.index(h) for h in heads))
-        if heads and not self.causal:
-            raise ValueError(f"retrieval_heads={list(heads)} is for causal models (LMs); drop it")
+        self.retrieval_heads = _retrieval_heads(self.retrieval_heads)
+        if self.retrieval_heads and not self.causal:
+            raise ValueError(f"retrieval_heads={self.to_dict()['retrieval_heads']} is for causal models (LMs); drop it")
         if self.exact_radius is not None:
             axes = len(self.blocks) if self.blocks is not None else (
                 1 if isinstance(self.exact_radius, int) else len(self.exact_radius))
@@ -124,7 +121,8 @@ class MHLAConfig:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["blocks"] = list(self.blocks) if self.blocks is not None else None
-        out["retrieval_heads"] = list(self.retrieval_heads)
+        heads = self.retrieval_heads
+        out["retrieval_heads"] = {str(i): list(h) for i, h in heads.items()} if isinstance(heads, dict) else list(heads)
         if isinstance(self.exact_radius, tuple):
             out["exact_radius"] = list(self.exact_radius)
         return out
@@ -139,6 +137,33 @@ class MHLAConfig:
 
     def replace(self, **changes) -> "MHLAConfig":
         return dataclasses.replace(self, **changes)
+
+    def for_layer(self, index: int) -> "MHLAConfig":
+        """Layer `index`'s config: its own retrieval heads where they are given per layer."""
+        heads = self.retrieval_heads
+        return self.replace(retrieval_heads=heads.get(index, ())) if isinstance(heads, dict) else self
+
+
+def _retrieval_heads(heads):
+    """retrieval_heads as the config keeps it: sorted tuples of key-head indices, per layer in a dict (its keys may
+    come from JSON as strings); layers with none left out."""
+    def indices(value, where=""):
+        if not (isinstance(value, (list, tuple)) and all(whole_number(h) is not None and h >= 0 for h in value)
+                and len(set(value)) == len(value)):
+            raise ValueError(f"retrieval_heads{where} must be distinct key-head indices ≥ 0, e.g. [0] or "
+                             f"{{3: [0, 5]}} per layer; got {value!r}")
+        return tuple(sorted(operator.index(h) for h in value))
+
+    if not isinstance(heads, dict):
+        return indices(heads)
+    layers = {}
+    for key, value in heads.items():
+        layer = int(key) if isinstance(key, str) and key.isdigit() else whole_number(key)
+        if layer is None or layer < 0:
+            raise ValueError(f"retrieval_heads per layer must be keyed by layer index ≥ 0; got {key!r}")
+        if indices(value, f"[{key}]"):
+            layers[layer] = indices(value)
+    return dict(sorted(layers.items()))
 
 
 class MHLAttention(nn.Module):
@@ -168,6 +193,8 @@ class MHLAttention(nn.Module):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         retrieval = config.retrieval_heads
+        if isinstance(retrieval, dict):
+            raise ValueError("retrieval_heads per layer: build each layer with config.for_layer(its index)")
         if retrieval and (max(retrieval) >= self.num_kv_heads or len(retrieval) == self.num_kv_heads):
             raise ValueError(f"retrieval_heads={list(retrieval)} must name some, not all, of the layer's "
                              f"{self.num_kv_heads} key heads (indices 0 … {self.num_kv_heads - 1})")

@@ -211,3 +211,120 @@ def test_command_line_option(tmp_path):
     assert from_pretrained(tmp_path / "m").mhla_plan["mhla_config"]["retrieval_heads"] == [1]
     result = CliRunner().invoke(app, ["convert", "tiny-dit", "--retrieval-heads", "0", "--out", str(tmp_path / "d")])
     assert result.exit_code != 0 and "is for causal models" in result.output
+
+
+def test_far_retrieval_equals_its_definition():
+    from mhla_convert.ops import retrieval
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 300, 4, 8, generator=g), torch.randn(2, 300, 2, 8, generator=g)
+    got = retrieval.far_retrieval(q, k, chunk_size=16, exact_chunks=2)  # 300 queries: two row blocks of 256
+    scores = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(2, 2)) / 8**0.5
+    t = torch.arange(300)
+    p = scores.masked_fill(t[:, None] < t, float("-inf")).softmax(-1)
+    far = ((t[:, None] // 16 - t // 16) >= 2) & (t > 0)
+    peak = torch.where(far, p, 0).max(-1).values  # (B, H, N): the largest weight on one far key
+    want = peak.pow(2).mean((0, 2)).view(2, 2).max(-1).values
+    torch.testing.assert_close(got, want)
+
+
+def test_far_retrieval_prefers_one_sharp_read_to_diffuse_and_sink_attention():
+    """Key head 0 attends the first token (a sink) or spreads evenly; key head 1 reads one far token sharply."""
+    from mhla_convert.ops.retrieval import far_retrieval
+
+    n, dim = 64, 4
+    q, k = torch.zeros(1, n, 2, dim), torch.zeros(1, n, 2, dim)
+    k[0, 0, 0, 0] = 50.0  # head 0: every query sends its weight to token 0
+    q[0, :, 0, 0] = 1.0
+    k[0, 5, 1, 1] = 50.0  # head 1: every query reads token 5
+    q[0, :, 1, 1] = 1.0
+    score = far_retrieval(q, k, chunk_size=8, exact_chunks=2)
+    assert score[1] > 0.5 > 0.01 > score[0]
+
+
+def test_choose_retrieval_heads_ranks_across_layers_and_keeps_mhla_in_each():
+    from mhla_convert.ops.retrieval import choose_retrieval_heads
+
+    scores = {0: torch.tensor([0.9, 0.8]), 2: torch.tensor([0.1, 0.7]), 5: torch.tensor([0.2, 0.3])}
+    assert choose_retrieval_heads(scores, 0.5) == {0: (0,), 2: (1,), 5: (1,)}  # not both of layer 0's
+    assert choose_retrieval_heads(scores, 0.01) == {0: (0,)}  # at least one head
+
+
+def test_per_layer_heads_are_kept_per_layer():
+    cfg = MHLAConfig(causal=True, retrieval_heads={"3": [1, 0], 1: [], 2: [0]})
+    assert cfg.retrieval_heads == {2: (0,), 3: (0, 1)} and cfg.for_layer(3).retrieval_heads == (0, 1)
+    assert cfg.for_layer(0).retrieval_heads == () and MHLAConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="keyed by layer index"):
+        MHLAConfig(causal=True, retrieval_heads={"x": [0]})
+    with pytest.raises(ValueError, match="config.for_layer"):
+        MHLAttention(48, 4, num_kv_heads=2, config=cfg)
+
+
+def _calibration(n=2):
+    return [{"input_ids": ids(2, 40, seed=10 + i)} for i in range(n)]
+
+
+def test_retrieval_share_keeps_the_heads_that_retrieve_most_sharply(tmp_path):
+    from mhla_convert.calibrate import retrieval_scores
+    from mhla_convert.families.llama import MHLALlamaAttention
+    from mhla_convert.ops.retrieval import choose_retrieval_heads
+
+    torch.manual_seed(0)
+    model = ADAPTER.build(ADAPTER.tiny_configs()["tiny-llama"]).eval()
+    prompt = ids()
+    with torch.no_grad():
+        before = model(prompt).logits
+    config = MHLAConfig(causal=True, chunk_size=C, window=4, exact_chunks=2)
+    scores = retrieval_scores(model, ADAPTER, [0, 1, 2, 3], config, _calibration())
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, before)  # scoring changes nothing
+    convert(model, ratio=1.0, chunk_size=C, window=4, retrieval_share=0.25, calibration=_calibration())
+    expected = choose_retrieval_heads(scores, 0.25)
+    assert sum(map(len, expected.values())) == 2
+    assert model.mhla_plan["mhla_config"]["retrieval_heads"] == {str(i): list(h) for i, h in expected.items()}
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer.self_attn, MHLALlamaAttention)
+        assert layer.self_attn.config.retrieval_heads == expected.get(i, ())
+    with torch.no_grad():
+        expected_logits = model(prompt).logits
+        loaded = AutoModelForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "ckpt")).eval()
+        assert torch.equal(loaded(prompt).logits, expected_logits)
+    assert_same(generate(model, prompt, cache_implementation="static"), generate(model, prompt, use_cache=False))
+
+
+@pytest.mark.parametrize("family, options, message", [
+    ("llama", {"retrieval_share": 0.25}, "give calibration batches"),
+    ("llama", {"retrieval_share": 1.0, "calibration": "data"}, r"in \[0, 1\)"),
+    ("llama", {"retrieval_share": 0.25, "retrieval_heads": [0], "calibration": "data"}, "drop retrieval_heads"),
+    ("llama", {"retrieval_heads": {7: [0]}}, "not converted"),
+    ("dit", {"retrieval_share": 0.25, "calibration": "data"}, "for causal models"),
+])
+def test_retrieval_options_refused_in_one_line(family, options, message):
+    adapter = adapter_for_family(family)
+    model = adapter.build(adapter.tiny_config())
+    if options.get("calibration") == "data":
+        options = {**options, "calibration": _calibration(1)}
+    with pytest.raises(ValueError, match=message):
+        convert(model, ratio=1.0, **options)
+
+
+def test_recipe_and_command_line_choose_heads(tmp_path):
+    from typer.testing import CliRunner
+
+    from mhla_convert import from_pretrained
+    from mhla_convert.cli import app
+    from mhla_convert.train import parse_recipe
+    from mhla_convert.train.build import build_model
+
+    recipe = parse_recipe(
+        "model: {name: tiny-llama}\n"
+        "conversion: {retrieval_share: 0.25, calibration_batches: 1, options: {chunk_size: 8, window: 4}}\n"
+        "data: {kind: synthetic, num_samples: 4, batch_size: 2, context_length: 32}\n"
+        "stages: [{name: finetune, steps: 1}]\n", "r.yaml")
+    heads = build_model(recipe, teachers=False).model.mhla_plan["mhla_config"]["retrieval_heads"]
+    assert sum(map(len, heads.values())) == 2
+    result = CliRunner().invoke(app, ["convert", "tiny-llama", "--retrieval-share", "0.25", "--calibration",
+                                      "synthetic", "--out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    heads = from_pretrained(tmp_path / "m").mhla_plan["mhla_config"]["retrieval_heads"]
+    assert isinstance(heads, dict) and sum(map(len, heads.values())) == 2

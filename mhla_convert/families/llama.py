@@ -67,6 +67,7 @@ class MHLALlamaAttention(MHLAttention):
                   "norm_q": "q_norm", "norm_k": "k_norm"}
 
     def __init__(self, host: nn.Module, config: MHLAConfig):
+        config = config.for_layer(host.layer_idx)
         head_dim = host.head_dim
         qk_norm = "per_head" if hasattr(host, "q_norm") else None
         with torch.device("meta"):  # every projection is replaced by the host's: don't allocate/init twice

@@ -10,6 +10,8 @@ under grouped-query attention, go with it).
 `split_heads` / `merge_heads`: the head bookkeeping shared by the parallel form and decoding.
 `retrieval_attention`: the parallel form (causal softmax, the host's √D scale).
 `RetrievalCache`: the retrieval heads' keys and values while decoding, each row at its own position.
+`far_retrieval` / `choose_retrieval_heads`: which heads to keep, from the original's attention on calibration data
+(`convert(retrieval_share=...)`): the heads that retrieve single tokens beyond the exact region most sharply.
 """
 
 from __future__ import annotations
@@ -141,3 +143,42 @@ class RetrievalCache:
         for t in self.tensors():
             t.zero_()
         self.consumed = 0
+
+
+_QUERY_ROWS = 256  # queries per score matrix in `far_retrieval`
+
+
+@torch.no_grad()
+def far_retrieval(q: torch.Tensor, k: torch.Tensor, chunk_size: int, exact_chunks: int) -> torch.Tensor:
+    """Per key head (H_kv,): how sharply its queries retrieve single tokens beyond their exact region, which is what
+    a linear summary cannot do. For each query of q (B, N, H, D), the largest causal softmax weight it gives one key
+    of k (B, N, H_kv, D) outside its exact region (`exact_chunks` chunks of `chunk_size` tokens, its own included),
+    squared so that one sharp read outweighs many diffuse ones; the first token is left out (attention sinks park
+    weight there, which retrieves nothing). The mean over queries, the largest over a key head's query heads."""
+    batch, n, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    keys = k.float().transpose(1, 2).repeat_interleave(heads // kv_heads, 1)  # (B, H, N, D)
+    positions = torch.arange(n, device=q.device)
+    total = torch.zeros(heads, device=q.device)
+    for start in range(0, n, _QUERY_ROWS):
+        rows = positions[start : start + _QUERY_ROWS]
+        scores = q[:, rows].float().transpose(1, 2) @ keys.transpose(-1, -2) * dim**-0.5  # (B, H, rows, N)
+        p = scores.masked_fill(rows[:, None] < positions, float("-inf")).softmax(-1)
+        far = ((rows[:, None] // chunk_size - positions // chunk_size) >= exact_chunks) & (positions > 0)
+        total += p.masked_fill(~far, 0).amax(-1).square().sum((0, -1))
+    return (total / (batch * n)).view(kv_heads, -1).amax(-1)
+
+
+def choose_retrieval_heads(scores: dict[int, torch.Tensor], share: float) -> dict[int, tuple[int, ...]]:
+    """The retrieval heads for `share` (0 … 1) of all key heads in `scores` ({layer: `far_retrieval` per key head}):
+    the highest scores across layers, at least one head, never every head of a layer → {layer: heads}."""
+    ranked = sorted(((float(s), layer, head) for layer, row in scores.items() for head, s in enumerate(row)),
+                    reverse=True)
+    wanted = max(1, round(share * len(ranked)))
+    chosen: dict[int, list[int]] = {}
+    for _, layer, head in ranked:
+        if sum(map(len, chosen.values())) == wanted:
+            break
+        if len(chosen.get(layer, [])) < len(scores[layer]) - 1:
+            chosen.setdefault(layer, []).append(head)
+    return {layer: tuple(sorted(heads)) for layer, heads in sorted(chosen.items())}

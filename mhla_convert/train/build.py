@@ -73,14 +73,15 @@ def build_model(recipe: Recipe, *, teachers: bool = True, plan: dict | None = No
             auto = c.strategy == "auto" and c.layers is None
             config = check_conversion(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
                                       attention=c.attention, **c.options)
-            calibrate = auto or fits_far_weight(config, c.attention)
+            calibrate = auto or fits_far_weight(config, c.attention) or bool(c.retrieval_share)
             calibration = _calibration(recipe, adapter, model) if calibrate else None
             report = convert(model, ratio=c.ratio, strategy=c.strategy, layers=c.layers, blocks=c.blocks,
-                             attention=c.attention, calibration=calibration, **c.options)
+                             attention=c.attention, calibration=calibration, retrieval_share=c.retrieval_share,
+                             **c.options)
     except ValueError as exc:
         raise TrainError(f"conversion: {exc}") from None
-    if not plan and auto:
-        _same_choice_on_every_process(report.converted)
+    if not plan and (auto or c.retrieval_share):
+        _same_choice_on_every_process(report.converted, report.config.get("retrieval_heads"))
     kept = [originals[i] for i in report.converted] if originals else []
     return Built(model, adapter, list(report.converted), kept, report, original)
 
@@ -92,10 +93,10 @@ def snapshot_model(model: nn.Module) -> nn.Module:
     return original.requires_grad_(False).eval()
 
 
-def _same_choice_on_every_process(converted: list[int]) -> None:
-    """Strategy auto scores the layers on every process, each on its own device. Their choices must agree, or each
-    process would train a different model (and the run would fail later, far from the cause, on mismatched
-    parameters). Every process sees every choice, so all of them stop together."""
+def _same_choice_on_every_process(converted: list[int], retrieval_heads=None) -> None:
+    """Strategy auto scores the layers, and retrieval_share the key heads, on every process, each on its own device.
+    Their choices must agree, or each process would train a different model (and the run would fail later, far from
+    the cause, or train on silently). Every process sees every choice, so all of them stop together."""
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
@@ -108,6 +109,14 @@ def _same_choice_on_every_process(converted: list[int]) -> None:
             f"conversion: strategy auto chose different layers on different processes ({per_process}), as their "
             f"calibration scores differ by device; set conversion.layers: {chosen[0]} in the recipe to train the "
             "main process's choice"
+        )
+    heads = gather_object([retrieval_heads]) if retrieval_heads else []
+    if any(h != heads[0] for h in heads):
+        per_process = "; ".join(f"process {rank}: {h}" for rank, h in enumerate(heads))
+        raise TrainError(
+            f"conversion: retrieval_share chose different retrieval heads on different processes ({per_process}); "
+            f"set conversion.options.retrieval_heads: {heads[0]} instead of retrieval_share to train the main "
+            "process's choice"
         )
 
 

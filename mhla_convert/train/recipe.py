@@ -42,6 +42,7 @@ class ConversionSpec:
     blocks: str | list[int] | None = None
     attention: Literal["mhla", "linear", "local"] = "mhla"
     calibration_batches: int = 4  # batches of the recipe's data that score the layers (auto) and fit far weights
+    retrieval_share: float = 0.0  # LMs: share of key heads kept softmax, chosen on the calibration batches
     options: dict = field(default_factory=dict)  # MHLAConfig fields
 
 
