@@ -182,7 +182,15 @@ def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Min
         "full-hedgehog-distill-retrieval": ("full MHLA, Hedgehog, distilled, one retrieval key head",
                                             {"ratio": 1.0, "options": {**hedgehog, **retrieval}}, True,
                                             {"distill": 1.0}),
-        # one softmax layer: the layer hybrid whose KV cache is nearest one retrieval key head's
+        # an eighth of the key heads, those reaching furthest beyond the exact chunks on calibration data
+        "local-retrieval-auto": ("sliding window, retrieval heads chosen on data, fine-tuned",
+                                 {"ratio": 1.0, "attention": "local", "retrieval_share": 0.125}, True, {}),
+        "full-retrieval-auto": ("full MHLA, retrieval heads chosen on data", {"ratio": 1.0, "retrieval_share": 0.125},
+                                True, {}),
+        "full-hedgehog-distill-retrieval-auto": ("full MHLA, Hedgehog, distilled, retrieval heads chosen on data",
+                                                 {"ratio": 1.0, "retrieval_share": 0.125, "options": hedgehog}, True,
+                                                 {"distill": 1.0}),
+        # one softmax layer: the layer hybrid whose KV cache is nearest an eighth of the key heads
         "hybrid-auto-one": ("hybrid, one softmax layer (auto)", {"ratio": 1 - 1 / layers, "strategy": "auto"}, True,
                             {}),
     }
@@ -337,7 +345,8 @@ def truncation_of(name: str, mini: Miniature) -> str | None:
     """The control whose step 0 is variant `name`'s truncation: the `local` variant cutting every layer to the
     same exact region (same chunking and span), if the variant converts every layer with one."""
     def region(section: dict) -> tuple:
-        return tuple(section.get("options", {}).get(k) for k in REGION_OPTIONS)
+        options = section.get("options", {})
+        return (*(options.get(k) for k in REGION_OPTIONS), section.get("retrieval_share"))
 
     _, section, _, _ = mini.variants[name]
     if section["ratio"] != 1 or section.get("attention", "mhla") not in ("mhla", "local"):

@@ -228,6 +228,8 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
         assert lm[f"full-{size}"]["truncation"] == lm[f"local-{size}"]["step0"] != lm["window"]["step0"]
     for name in ("full-retrieval", "full-hedgehog-distill-retrieval"):  # beside the window with the same heads
         assert lm[name]["truncation"] == lm["local-retrieval"]["step0"] != lm["window"]["step0"]
+    for name in ("full-retrieval-auto", "full-hedgehog-distill-retrieval-auto"):
+        assert lm[name]["truncation"] == lm["local-retrieval-auto"]["step0"] != lm["window"]["step0"]
     assert lm["softmax"]["transfer"] is None and lm["linear"]["truncation"] is None
     assert set(summary["lm"]["recall"]) >= {"original", "window", "full"}
     levels = summary["dit"]["by_noise_level"]
