@@ -18,10 +18,10 @@ ADAPTER = adapter_for_family("llama")
 C = 8  # chunk size: prompts span several chunks and generation crosses chunk boundaries
 
 
-def converted(family: str, ratio: float, seed: int = 0) -> torch.nn.Module:
+def converted(family: str, ratio: float, seed: int = 0, **options) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = ADAPTER.build(ADAPTER.tiny_configs()[f"tiny-{family}"]).eval()
-    convert(model, ratio=ratio, chunk_size=C)
+    convert(model, ratio=ratio, chunk_size=C, **options)
     return model
 
 
@@ -84,11 +84,11 @@ def test_static_state_is_allocated_once_and_updated_in_place():
     assert slots[0].state.position.tolist() == [30, 30]
 
 
-@pytest.mark.parametrize("family, ratio", [("llama", 0.5)])
-def test_compiled_static_generation_equals_dynamic(family, ratio):
+@pytest.mark.parametrize("family, ratio, options", [("llama", 0.5, {}), ("llama", 1.0, {"retrieval_heads": [1]})])
+def test_compiled_static_generation_equals_dynamic(family, ratio, options):
     """generate()'s automatic compile of the decoding step (as on CUDA; forced on CPU): one graph,
-    no graph break, no recompilation from one token to the next."""
-    model = converted(family, ratio)
+    no graph break, no recompilation from one token to the next (with retrieval heads too)."""
+    model = converted(family, ratio, **options)
     prompt = ids()
     dynamic = generate(model, prompt, new=5)
     compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None, dynamic=False)
@@ -184,11 +184,12 @@ def test_beam_search_static_equals_dynamic(family, ratio):
     assert torch.equal(generate(model, prompt, num_beams=2, use_cache=False).sequences, dynamic.sequences)
 
 
+@pytest.mark.parametrize("options", [{}, {"retrieval_heads": [1]}], ids=["mhla", "retrieval-heads"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_assisted_decoding_equals_greedy(cache, monkeypatch):
+def test_assisted_decoding_equals_greedy(cache, options, monkeypatch):
     """A tiny MHLA assistant drafts 3 tokens at a time; the main model verifies them in one call
     and both caches roll back the rejected ones (across chunk boundaries too)."""
-    model = converted("llama", 1.0)
+    model = converted("llama", 1.0, **options)
     assistant = converted("llama", 0.5, seed=0)
     with torch.no_grad():  # close to the main model, not equal: some drafts are accepted, some not
         for p in assistant.parameters():

@@ -144,27 +144,6 @@ def test_dynamic_buffers_grow_past_the_prompt():
     assert_same(generate(model, prompt, new=70), generate(model, prompt, new=70, use_cache=False))
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_rollback_in_assisted_decoding(cache):
-    model = converted()
-    assistant = converted(seed=0)
-    with torch.no_grad():
-        for p in assistant.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    assistant.generation_config.num_assistant_tokens = 3
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
-    prompt = ids(batch=1)
-    kw = {"cache_implementation": "static"} if cache == "static" else {}
-    try:
-        assisted = generate(model, prompt, new=16, assistant_model=assistant, **kw)
-    except ValueError as e:  # transformers < 5.24 refuses static caches here
-        if "not supported with Static cache" in str(e):
-            pytest.skip(str(e))
-        raise
-    assert torch.equal(assisted.sequences, generate(model, prompt, new=16, **kw).sequences)
-
-
 def test_sliding_window_cache_refused_by_name():
     model = converted("mistral")
     with pytest.raises(ValueError, match="retrieval heads read every earlier token"):
@@ -179,25 +158,6 @@ def test_save_reload_gives_identical_outputs(tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "ckpt")).eval()
         assert loaded.model.layers[0].self_attn.config.retrieval_heads == (1,)
         assert torch.equal(loaded(prompt).logits, expected)
-
-
-def test_compiled_static_generation_equals_dynamic():
-    """generate()'s compiled decoding step (forced on CPU): one graph, no recompilation from token to token."""
-    from transformers import CompileConfig
-
-    model = converted()
-    prompt = ids()
-    dynamic = generate(model, prompt, new=5)
-    compile_config = CompileConfig(fullgraph=True, backend="eager", mode=None, dynamic=False)
-    compile_config._compile_all_devices = True  # generate() compiles on accelerators only, unless told
-    torch._dynamo.reset()
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            static = generate(model, prompt, new=5, cache_implementation="static", compile_config=compile_config)
-    finally:
-        torch._dynamo.reset()
-    assert hasattr(model, "_compiled_call")
-    assert_same(static, dynamic)
 
 
 def test_command_line_option(tmp_path):

@@ -100,24 +100,20 @@ def _same_choice_on_every_process(converted: list[int], retrieval_heads=None) ->
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
+    def agree(mine, what: str, fix: str) -> None:
+        chosen = gather_object([mine])
+        if any(choice != chosen[0] for choice in chosen):
+            per_process = "; ".join(f"process {rank}: {choice}" for rank, choice in enumerate(chosen))
+            raise TrainError(f"conversion: {what} on different processes ({per_process}), as their calibration "
+                             f"scores differ by device; set {fix.format(chosen[0])} in the recipe to train the main "
+                             "process's choice")
+
     if PartialState().num_processes < 2:
         return
-    chosen = gather_object([sorted(converted)])
-    if any(layers != chosen[0] for layers in chosen):
-        per_process = "; ".join(f"process {rank}: {layers}" for rank, layers in enumerate(chosen))
-        raise TrainError(
-            f"conversion: strategy auto chose different layers on different processes ({per_process}), as their "
-            f"calibration scores differ by device; set conversion.layers: {chosen[0]} in the recipe to train the "
-            "main process's choice"
-        )
-    heads = gather_object([retrieval_heads]) if retrieval_heads else []
-    if any(h != heads[0] for h in heads):
-        per_process = "; ".join(f"process {rank}: {h}" for rank, h in enumerate(heads))
-        raise TrainError(
-            f"conversion: retrieval_share chose different retrieval heads on different processes ({per_process}); "
-            f"set conversion.options.retrieval_heads: {heads[0]} instead of retrieval_share to train the main "
-            "process's choice"
-        )
+    agree(sorted(converted), "strategy auto chose different layers", "conversion.layers: {}")
+    if retrieval_heads:
+        agree(retrieval_heads, "retrieval_share chose different retrieval heads",
+              "conversion.options.retrieval_heads: {} (without retrieval_share)")
 
 
 def _check_conversion(recipe: Recipe, source) -> None:
