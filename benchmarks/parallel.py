@@ -161,6 +161,7 @@ def _fsdp_job(rank, world, path, quick, out):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from mhla_convert import convert
+    from mhla_convert.families import adapter_for_model
 
     device = _setup(rank, world, path, quick)
     shapes = quick_shapes() if quick else full_shapes()
@@ -168,6 +169,7 @@ def _fsdp_job(rank, world, path, quick, out):
         model = WanTransformer3DModel.from_config(shapes["big"])
     convert(model, progress=False)
     model.enable_gradient_checkpointing()
+    adapter_for_model(model).prepare_checkpointing(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.float32 if quick else torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)

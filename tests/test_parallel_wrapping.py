@@ -3,6 +3,7 @@ gradients and the updated weights equal one process's step on the whole batch.""
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from two_processes import run_two
@@ -107,3 +108,40 @@ def test_checkpointed_block_recomputes_with_the_rotary_tables_uncast():
 
     checkpoint(run, x.requires_grad_(), use_reentrant=False).float().square().mean().backward()
     assert calls == [torch.bfloat16, torch.float32] and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["original", "mhla"])
+def test_prepared_block_recomputes_whatever_the_tables_dtype(converted):
+    """With the Wan adapter's checkpointing preparation, a block gets its rotary tables in its hidden states' dtype,
+    so diffusers' own attention (the original, a hybrid's softmax layers) recomputes under the same cast-once
+    pattern too; and an uncast float32 forward is unchanged by it."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mhla_convert.families import adapter_for_model
+    from mhla_convert.models import tiny_model
+
+    model = _model() if converted else tiny_model("tiny-wan").train()
+    config = model.config
+    latents = torch.randn(1, config.in_channels, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    text = torch.randn(1, 4, config.text_dim)
+    with torch.no_grad():
+        before = model(latents, timestep=torch.tensor([500]), encoder_hidden_states=text).sample
+    adapter_for_model(model).prepare_checkpointing(model)
+    adapter_for_model(model).prepare_checkpointing(model)  # (idempotent)
+    with torch.no_grad():
+        assert torch.equal(model(latents, timestep=torch.tensor([500]), encoder_hidden_states=text).sample, before)
+    cos, sin = model.rope(latents)
+    block = model.blocks[0].to(torch.bfloat16)
+    width = config.num_attention_heads * config.attention_head_dim
+    x, context, temb = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((1, 32, width), (1, 4, width),
+                                                                                (1, 6, width)))
+    calls = []
+
+    def run(x):
+        tables = (cos, sin) if calls else (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+        calls.append(tables[0].dtype)
+        return block(x, context, temb, tables)
+
+    checkpoint(run, x.requires_grad_(), use_reentrant=False).float().square().mean().backward()
+    assert calls == [torch.bfloat16, torch.float32] and torch.isfinite(x.grad).all()
+    assert len(block._forward_pre_hooks) == 1

@@ -261,3 +261,18 @@ def test_resume_refuses_a_shorter_or_different_recipe(tmp_path):
     longer = ["stages.1.steps=5", "checkpoint_every=3", "keep_checkpoints=1", "logging.every=2"]
     assert train(parse_recipe(TINY, overrides=longer), run, log=lambda *_: None) == run / "model"
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000007"]
+
+
+def test_gradient_checkpointing_prepares_the_family(tmp_path, monkeypatch):
+    """A Wan recipe with gradient checkpointing runs, and its blocks get their rotary tables in their hidden states'
+    dtype (WanAdapter.prepare_checkpointing: what FSDP2's mixed precision needs when blocks are recomputed)."""
+    prepared = []
+    from mhla_convert.families.wan import WanAdapter
+
+    original = WanAdapter.prepare_checkpointing
+    monkeypatch.setattr(WanAdapter, "prepare_checkpointing",
+                        lambda self, model: (prepared.append(model), original(self, model)))
+    recipe = parse_recipe((RECIPES / "tiny-wan.yaml").read_text(),
+                          overrides=[*QUIET, "gradient_checkpointing=true", "stages=[{name: finetune, steps: 2}]"])
+    train(recipe, tmp_path / "run", log=lambda *_: None)
+    assert len(prepared) == 1 and all(len(b._forward_pre_hooks) == 1 for b in prepared[0].blocks)

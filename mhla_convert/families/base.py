@@ -129,6 +129,10 @@ class FamilyAdapter:
         """Install whatever the converted layers need from the host's forward (grid hooks);
         idempotent."""
 
+    def prepare_checkpointing(self, model: nn.Module) -> None:
+        """Called once gradient checkpointing is on for training: whatever makes a block's recomputation save what its
+        forward saved (the default: nothing)."""
+
     def convert_layer(self, model: nn.Module, index: int, config: MHLAConfig) -> nn.Module:
         """Replace layer `index`'s self-attention in place, moving its pretrained weights into
         the new module, and return the new module."""

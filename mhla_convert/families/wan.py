@@ -94,6 +94,18 @@ def tiny_image_encoder(width: int) -> dict:
     return {"image_encoder": CLIPVisionModel(config).eval(), "image_processor": processor}
 
 
+def _rotary_in_input_dtype(block, args, kwargs):
+    """A Wan block's forward pre-hook: (hidden_states, encoder_hidden_states, temb, rotary_emb) with the rotary
+    tables cast to the hidden states' dtype (`WanAdapter.prepare_checkpointing`)."""
+    args = list(args)
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if "rotary_emb" in kwargs:
+        kwargs["rotary_emb"] = tuple(t.to(hidden.dtype) for t in kwargs["rotary_emb"])
+    elif len(args) > 3 and args[3] is not None:
+        args[3] = tuple(t.to(hidden.dtype) for t in args[3])
+    return tuple(args), kwargs
+
+
 @register
 class WanAdapter(DiffusersAdapter):
     name = "wan"
@@ -119,6 +131,17 @@ class WanAdapter(DiffusersAdapter):
     video = True
     max_prompt_length = 512
     sample_kind = "video"
+
+    def prepare_checkpointing(self, model) -> None:
+        """Every block gets its rotary tables in its hidden states' dtype. FSDP2's mixed precision casts a block's
+        inputs to bf16 in its forward but (torch 2.11) not when checkpointing recomputes the block: the float32 tables
+        then reach the recomputation, every product with them is saved in another dtype and checkpointing refuses
+        (CheckpointError), in diffusers' own attention (the original's, a hybrid's softmax layers) as in MHLA's.
+        Where nothing casts, the tables already have that dtype, or keep float32 beside float32 hidden states."""
+        for block in model.blocks:
+            if not getattr(block, "_mhla_rotary_in_input_dtype", False):
+                block.register_forward_pre_hook(_rotary_in_input_dtype, with_kwargs=True)
+                block._mhla_rotary_in_input_dtype = True
 
     def native_grid(self, model) -> tuple[int, ...]:
         # the config has no sample size: Wan2.2-TI2V-5B's 121 frames at 704x1280, else the paper's 81x480x800

@@ -197,6 +197,7 @@ class Trainer:
         model = self.built.model
         if recipe.gradient_checkpointing:
             _enable_checkpointing(model)
+            self.built.adapter.prepare_checkpointing(model)
         self.objective = self.built.adapter.objective(recipe.objective)
         # what finetune stages minimise: with objective.distill, mixed with matching the original model (its
         # forward at the training precision); validation and the probe keep the plain objective, comparable
