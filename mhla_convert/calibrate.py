@@ -79,9 +79,9 @@ class _Projected(Exception):
 @torch.no_grad()
 def retrieval_scores(model: nn.Module, adapter, indices: list[int], config: MHLAConfig,
                      batches: list[dict]) -> dict[int, torch.Tensor]:
-    """{layer: `far_retrieval` per key head} of the original's layers `indices` on `batches` (ops.retrieval): each
-    layer's q and k come from an MHLA layer built over the original (the host's projections, norms and RoPE), which
-    leaves the model as it is."""
+    """{layer: `far_retrieval` per key head} of the original's layers `indices` on `batches` (ops.retrieval),
+    sliding-window layers left out: each layer's q and k come from an MHLA layer built over the original (the host's
+    projections, norms and RoPE), which leaves the model as it is."""
     build = getattr(adapter, "attention_class", None)
     if build is None or not config.causal:
         raise ValueError(f"retrieval heads are for causal LMs; {adapter.name} has none: drop retrieval_share")
@@ -89,6 +89,8 @@ def retrieval_scores(model: nn.Module, adapter, indices: list[int], config: MHLA
     scores = {}
     for i in indices:
         original = adapter.attention_modules(model)[i]
+        if getattr(original, "sliding_window", None):  # (Gemma 3's local layers: nothing far to retrieve)
+            continue
         probe = build(original, probe_config)
         total = 0
         for args, kwargs in original_calls(model, original, batches)[0]:
@@ -105,6 +107,9 @@ def retrieval_scores(model: nn.Module, adapter, indices: list[int], config: MHLA
                 pass
             total = total + far_retrieval(*seen["qk"], config.chunk_size, config.exact_chunks)
         scores[i] = (total / len(batches)).cpu()
+    if not scores:
+        raise ValueError("every converted layer is a sliding-window layer, which reads nothing far back: "
+                         "retrieval heads need global layers; drop retrieval_share")
     return scores
 
 

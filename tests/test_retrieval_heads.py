@@ -288,3 +288,16 @@ def test_recipe_and_command_line_choose_heads(tmp_path):
     assert result.exit_code == 0, result.output
     heads = from_pretrained(tmp_path / "m").mhla_plan["mhla_config"]["retrieval_heads"]
     assert isinstance(heads, dict) and sum(map(len, heads.values())) == 2
+
+
+def test_retrieval_share_skips_sliding_window_layers():
+    """Gemma 3's local layers read nothing beyond their window: their heads are never chosen."""
+    adapter = adapter_for_family("gemma3")
+    torch.manual_seed(0)
+    model = adapter.build(adapter.tiny_config()).eval()
+    convert(model, ratio=1.0, chunk_size=4, retrieval_share=0.5, calibration=_calibration(1))
+    heads = model.mhla_plan["mhla_config"]["retrieval_heads"]
+    assert heads and set(heads) <= {"2", "3"}  # layers 0 and 1 slide
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        convert(adapter.build(adapter.tiny_config()), layers=[0, 1], chunk_size=4, retrieval_share=0.5,
+                calibration=_calibration(1))
