@@ -82,18 +82,17 @@ def test_accelerate_configs_load():
     assert fsdp.distributed_type == DistributedType.FSDP and fsdp.fsdp_config["fsdp_version"] == 2
 
 
-def test_checkpointed_block_recomputes_with_the_rotary_tables_uncast():
-    """FSDP2's mixed precision casts a block's inputs to bf16 in its forward, but (torch 2.11) not when activation
-    checkpointing recomputes the block, which then sees diffusers' float32 rotary tables: the converted layer must
-    save tensors of the same dtypes either way, or checkpointing refuses the recomputation (CheckpointError)."""
+def _recompute_with_tables_cast_once(model) -> None:
+    """A checkpointed bf16 block of `model` whose forward gets its rotary tables cast to bf16 and whose
+    recomputation gets them uncast (float32): FSDP2's mixed precision on torch 2.11. Raises CheckpointError where
+    the two passes save tensors of other dtypes."""
     from torch.utils.checkpoint import checkpoint
 
-    model = _model()
     config = model.config
     latents = torch.randn(1, config.in_channels, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     cos, sin = model.rope(latents)
     assert cos.dtype == torch.float32
-    with torch.no_grad():  # (the converted layers read their token grid from the model's forward)
+    with torch.no_grad():  # (converted layers read their token grid from the model's forward)
         model(latents, timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 4, config.text_dim))
     block = model.blocks[0].to(torch.bfloat16)
     width = config.num_attention_heads * config.attention_head_dim
@@ -110,17 +109,26 @@ def test_checkpointed_block_recomputes_with_the_rotary_tables_uncast():
     assert calls == [torch.bfloat16, torch.float32] and torch.isfinite(x.grad).all()
 
 
+def test_checkpointed_block_recomputes_with_the_rotary_tables_uncast():
+    """The converted layer saves tensors of the same dtypes whatever the tables' dtype (it rotates in float32), so
+    a converted block recomputes under that cast-once pattern as it is."""
+    _recompute_with_tables_cast_once(_model())
+
+
 @pytest.mark.parametrize("converted", [False, True], ids=["original", "mhla"])
 def test_prepared_block_recomputes_whatever_the_tables_dtype(converted):
-    """With the Wan adapter's checkpointing preparation, a block gets its rotary tables in its hidden states' dtype,
-    so diffusers' own attention (the original, a hybrid's softmax layers) recomputes under the same cast-once
-    pattern too; and an uncast float32 forward is unchanged by it."""
-    from torch.utils.checkpoint import checkpoint
+    """diffusers' own attention (the original, a hybrid's softmax layers) rotates in the tables' dtype and fails
+    under that pattern; with the Wan adapter's checkpointing preparation each block gets its tables in its hidden
+    states' dtype and recomputes, and an uncast float32 forward is unchanged by it."""
+    from torch.utils.checkpoint import CheckpointError
 
     from mhla_convert.families import adapter_for_model
     from mhla_convert.models import tiny_model
 
     model = _model() if converted else tiny_model("tiny-wan").train()
+    if not converted:
+        with pytest.raises(CheckpointError):
+            _recompute_with_tables_cast_once(copy.deepcopy(model))
     config = model.config
     latents = torch.randn(1, config.in_channels, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     text = torch.randn(1, 4, config.text_dim)
@@ -130,18 +138,5 @@ def test_prepared_block_recomputes_whatever_the_tables_dtype(converted):
     adapter_for_model(model).prepare_checkpointing(model)  # (idempotent)
     with torch.no_grad():
         assert torch.equal(model(latents, timestep=torch.tensor([500]), encoder_hidden_states=text).sample, before)
-    cos, sin = model.rope(latents)
-    block = model.blocks[0].to(torch.bfloat16)
-    width = config.num_attention_heads * config.attention_head_dim
-    x, context, temb = (torch.randn(*shape, dtype=torch.bfloat16) for shape in ((1, 32, width), (1, 4, width),
-                                                                                (1, 6, width)))
-    calls = []
-
-    def run(x):
-        tables = (cos, sin) if calls else (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
-        calls.append(tables[0].dtype)
-        return block(x, context, temb, tables)
-
-    checkpoint(run, x.requires_grad_(), use_reentrant=False).float().square().mean().backward()
-    assert calls == [torch.bfloat16, torch.float32] and torch.isfinite(x.grad).all()
-    assert len(block._forward_pre_hooks) == 1
+    _recompute_with_tables_cast_once(model)
+    assert all(len(block._forward_pre_hooks) == 1 for block in model.blocks)
