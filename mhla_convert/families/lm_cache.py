@@ -32,13 +32,13 @@ def _is_compiling() -> bool:
 class _MHLASlot:
     """What the three MHLA cache layers share: the state, prefill, decoding steps, crop, reorder."""
 
+    capacity: int | None = None  # tokens the cache holds where fixed (a static cache's): the retrieval heads' buffers
     is_croppable = True  # rollback within the open chunk and the one before it (DecodeState.rollback)
     supports_early_init = False  # nothing to pre-allocate from K/V shapes
 
     def _init_slot(self) -> None:
         self.state: DecodeState | None = None
         self.has_state = False  # False until the prompt: the next call runs the parallel form
-        self.capacity: int | None = None  # tokens the cache holds, where fixed (a static cache's retrieval heads)
 
     def _count(self, tokens: int) -> None:
         raise NotImplementedError
@@ -57,10 +57,6 @@ class _MHLASlot:
         """Start from a prompt: k, v (B, N, H_kv, D) hold each row's `lengths` real tokens first;
         `tokens` is the number of cache positions the call consumed (padding included); `feature_map`: the
         layer's (`MHLAttention.phi`)."""
-        if config.retrieval_heads and isinstance(self, StaticSlidingWindowLayer):
-            raise ValueError("retrieval heads read every earlier token, which a sliding-window cache layer does not "
-                             "keep: decode with the dynamic cache (cache_implementation='dynamic') or convert without "
-                             "retrieval_heads")
         state = DecodeState.from_prompt(k, v, lengths, config, reuse=self.state, feature_map=feature_map,
                                         capacity=self.capacity)
         if state is not self.state:
@@ -134,7 +130,10 @@ class MHLAStaticLayer(_MHLASlot, StaticLayer):
     def __init__(self, max_cache_len: int, **kwargs):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
         self._init_slot()
-        self.capacity = max_cache_len
+
+    @property
+    def capacity(self) -> int:
+        return self.max_cache_len
 
     def _allocated(self, state: DecodeState) -> None:
         self.device = state.position.device
@@ -159,6 +158,13 @@ class MHLAStaticSlidingLayer(MHLAStaticLayer, StaticSlidingWindowLayer):
     def __init__(self, max_cache_len: int, **kwargs):
         # the replaced layer's window is already min(window, max_cache_len): keep it
         super().__init__(max_cache_len=max_cache_len, sliding_window=max_cache_len, **kwargs)
+
+    def prefill(self, k, v, lengths, config: MHLAConfig, tokens: int, feature_map=None):
+        if config.retrieval_heads:
+            raise ValueError("retrieval heads read every earlier token, which a sliding-window cache layer does not "
+                             "keep: decode with the dynamic cache (cache_implementation='dynamic') or convert without "
+                             "retrieval_heads")
+        super().prefill(k, v, lengths, config, tokens, feature_map)
 
     def _count(self, tokens: int) -> None:
         super()._count(tokens)

@@ -16,30 +16,35 @@ under grouped-query attention, go with it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 
-def _query_heads(kv_indices, groups: int) -> list[int]:
-    return [h * groups + j for h in kv_indices for j in range(groups)]
+@functools.lru_cache(maxsize=None)
+def _head_order(retrieval: tuple[int, ...], kv_heads: int, groups: int) -> tuple[list[int], list[int], list[int]]:
+    """(the MHLA heads' indices, the retrieval heads', the inverse of their concatenation) among kv_heads · groups
+    heads; computed once per layout."""
+    def heads(kv):
+        return [h * groups + j for h in kv for j in range(groups)]
+
+    linear, far = heads(h for h in range(kv_heads) if h not in retrieval), heads(sorted(retrieval))
+    order = linear + far
+    return linear, far, sorted(range(len(order)), key=order.__getitem__)
 
 
 def split_heads(x: torch.Tensor, retrieval: tuple[int, ...], kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, N, H, ·) with H a multiple of `kv_heads` (key heads, or the query heads reading them) → (the MHLA
     heads', the retrieval heads'), each in head order."""
-    groups = x.shape[2] // kv_heads
-    linear = [h for h in range(kv_heads) if h not in retrieval]
-    return x[:, :, _query_heads(linear, groups)], x[:, :, _query_heads(sorted(retrieval), groups)]
+    linear, far, _ = _head_order(retrieval, kv_heads, x.shape[2] // kv_heads)
+    return x[:, :, linear], x[:, :, far]
 
 
 def merge_heads(linear: torch.Tensor, retrieval_out: torch.Tensor, retrieval: tuple[int, ...],
                 kv_heads: int) -> torch.Tensor:
     """`split_heads`' inverse on outputs (B, N, ·, Dv) → (B, N, H, Dv)."""
-    heads = linear.shape[2] + retrieval_out.shape[2]
-    groups = heads // kv_heads
-    order = _query_heads([h for h in range(kv_heads) if h not in retrieval], groups)
-    order += _query_heads(sorted(retrieval), groups)
-    inverse = sorted(range(heads), key=order.__getitem__)
+    _, _, inverse = _head_order(retrieval, kv_heads, (linear.shape[2] + retrieval_out.shape[2]) // kv_heads)
     return torch.cat([linear, retrieval_out.to(linear.dtype)], 2)[:, :, inverse]
 
 
@@ -85,9 +90,7 @@ class RetrievalCache:
         if capacity is not None and k.shape[1] > capacity:
             raise ValueError(f"a prompt of {k.shape[1]} tokens does not fit a cache of {capacity}: raise max_cache_len")
         cache = reuse if reuse is not None and reuse.fits(k, v, capacity) else cls(k, v, capacity)
-        with torch.no_grad():
-            cache.keys.zero_()
-            cache.values.zero_()
+        with torch.no_grad():  # (what lies past a row's position is never read: the mask stops there)
             cache.keys[:, : k.shape[1]] = k
             cache.values[:, : v.shape[1]] = v
             cache.position.copy_(lengths)
