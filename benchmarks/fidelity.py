@@ -60,40 +60,41 @@ from mhla_convert.train.trainer import Trainer
 RECALL_SPAN = 256  # bytes: beyond the LM's exact region (at most 128 bytes with 2 chunks of 64)
 
 
-def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: float = 0.0) -> None:
-    """Bytes of the installed transformers package's .py files, packed into rows of `context`; the held-out
-    stream also gives the recall probes. `copy_rows`: that fraction of the training rows (a seeded draw) repeats
-    a span of RECALL_SPAN bytes right after itself, so the original learns to copy from beyond the exact region."""
+def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: float = 0.0, seed: int = 0) -> None:
+    """Bytes of the installed transformers package's .py files, packed into rows of `context`; every 10th file
+    (from the `seed % 10`-th) is held out, and that stream also gives the recall probes. `copy_rows`: that fraction
+    of the training rows (a seeded draw) repeats a span of RECALL_SPAN bytes right after itself, so the original
+    learns to copy from beyond the exact region."""
     import transformers
 
     files = sorted(Path(transformers.__file__).parent.rglob("*.py"))
     streams = {"train": bytearray(), "heldout": bytearray()}
     for i, path in enumerate(files):
-        streams["heldout" if i % 10 == 0 else "train"] += path.read_bytes() + b"\0"
+        streams["heldout" if i % 10 == seed % 10 else "train"] += path.read_bytes() + b"\0"
     heldout_rows = 8 * 64 * context  # the validation reads 8 batches of 64
     caps = {"train": max_train_tokens, "heldout": heldout_rows}
     for split, data in streams.items():
         ids = torch.frombuffer(bytearray(data[: caps[split] // context * context]), dtype=torch.uint8).long()
         ids = ids.view(-1, context)
         if split == "train" and copy_rows and context >= 2 * RECALL_SPAN:
-            g = torch.Generator().manual_seed(1)
+            g = torch.Generator().manual_seed(seed + 1)
             rows = torch.randperm(len(ids), generator=g)[: int(copy_rows * len(ids))]
             starts = torch.randint(0, context - 2 * RECALL_SPAN + 1, (len(rows),), generator=g)
             for row, start in zip(rows.tolist(), starts.tolist()):
                 ids[row, start + RECALL_SPAN : start + 2 * RECALL_SPAN] = ids[row, start : start + RECALL_SPAN]
         save_file({"input_ids": ids.contiguous()}, str(directory / f"{split}.safetensors"))
     # recall probes from held-out text the validation does not read: a span, then the same span again
-    rest = torch.frombuffer(bytes(streams["heldout"][heldout_rows:]), dtype=torch.uint8).long()
-    starts = torch.randperm(len(rest) - RECALL_SPAN, generator=torch.Generator().manual_seed(0))[:64]
+    rest = torch.frombuffer(streams["heldout"][heldout_rows:], dtype=torch.uint8).long()
+    starts = torch.randperm(len(rest) - RECALL_SPAN, generator=torch.Generator().manual_seed(seed))[:64]
     spans = torch.stack([rest[s : s + RECALL_SPAN] for s in starts.tolist()])
     save_file({"input_ids": torch.cat([spans, spans], 1)}, str(directory / "recall.safetensors"))
 
 
-def dit_data(directory: Path, quick: bool, size: int) -> None:
+def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
     """scikit-learn's digits upsampled to size × size, in [-1, 1], with their class labels (`quick`: random
-    images, no scikit-learn)."""
+    images, no scikit-learn); every 10th image (from the `seed % 10`-th) is held out."""
     if quick:
-        g = torch.Generator().manual_seed(0)
+        g = torch.Generator().manual_seed(seed)
         images, labels = torch.rand(200, 1, 8, 8, generator=g) * 16, torch.randint(0, 10, (200,), generator=g)
     else:
         from sklearn.datasets import load_digits
@@ -101,7 +102,7 @@ def dit_data(directory: Path, quick: bool, size: int) -> None:
         digits = load_digits()
         images, labels = torch.tensor(digits.images, dtype=torch.float32)[:, None], torch.tensor(digits.target)
     images = torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear")
-    held = torch.arange(len(labels)) % 10 == 0
+    held = torch.arange(len(labels)) % 10 == seed % 10
     for split, mask in (("train", ~held), ("heldout", held)):
         save_file({"latents": images[mask].contiguous(), "class_labels": labels[mask].long().contiguous()},
                   str(directory / f"{split}.safetensors"))
@@ -112,9 +113,10 @@ def write_data(kind: str, mini: Miniature, root: Path, args) -> None:
     directory = root / kind / "data"
     directory.mkdir(parents=True, exist_ok=True)
     if kind == "lm":
-        lm_data(directory, 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000, args.copy_rows)
+        lm_data(directory, 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000, args.copy_rows,
+                args.seed)
     else:
-        dit_data(directory, args.quick, mini.config["sample_size"])
+        dit_data(directory, args.quick, mini.config["sample_size"], args.seed)
 
 
 # --- the miniatures --------------------------------------------------------------------------------
@@ -210,8 +212,8 @@ def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Min
     }
 
 
-def save_random_base(mini: Miniature, directory: Path) -> None:
-    torch.manual_seed(0)
+def save_random_base(mini: Miniature, directory: Path, seed: int) -> None:
+    torch.manual_seed(seed)
     adapter_for_family(mini.family).build(mini.config).save_pretrained(str(directory))
 
 
@@ -221,6 +223,7 @@ def save_random_base(mini: Miniature, directory: Path) -> None:
 def recipe(
     model: str, data: Path, stages: list[dict], *, batch_size: int, lr: float, eval_every: int, conversion: dict | None,
     schedule: dict | None = None, precision: str = "no", keep_best: bool = False, objective: dict | None = None,
+    seed: int = 0,
 ) -> dict:
     return {
         "model": {"name": model},
@@ -234,7 +237,7 @@ def recipe(
         "objective": objective or {},
         "precision": precision,
         "logging": {"every": 10, "trackers": []},
-        "seed": 0,
+        "seed": seed,
     }
 
 
@@ -260,19 +263,19 @@ def variant_spec(mini: Miniature, name: str, trained: str, data: Path, args) -> 
     stages.append({"name": "finetune", "steps": args.finetune_steps + (0 if transfer else args.transfer_steps),
                    "train": "all", "lr": lr})
     return recipe(trained, data, stages, batch_size=mini.batch_size, lr=lr, eval_every=args.eval_every,
-                  conversion=conversion, precision=args.precision, objective=objective), transfer
+                  conversion=conversion, precision=args.precision, objective=objective, seed=args.seed), transfer
 
 
-def train_base(kind: str, mini: Miniature, root: Path, precision: str) -> list[dict]:
+def train_base(kind: str, mini: Miniature, root: Path, args) -> list[dict]:
     """The original, trained from scratch (or reused from an earlier run into the same --out)."""
     base = root / kind / "base"
     if (base / "best").is_dir():
         return [r for r in read_metrics(base / "metrics.jsonl") if "validation_loss" in r]
-    save_random_base(mini, root / kind / "random-init")
+    save_random_base(mini, root / kind / "random-init", args.seed)
     spec = recipe(str(root / kind / "random-init"), root / kind / "data",
                   [{"name": "finetune", "steps": mini.base_steps, "train": "all"}], batch_size=mini.batch_size,
-                  lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1), conversion=None, precision=precision,
-                  schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}, keep_best=True)
+                  lr=mini.base_lr, eval_every=max(mini.base_steps // 10, 1), conversion=None, precision=args.precision,
+                  schedule={"name": "cosine", "warmup_steps": mini.base_steps // 20}, keep_best=True, seed=args.seed)
     return run(spec, base)
 
 
@@ -284,7 +287,8 @@ def train_variant(kind: str, name: str, mini: Miniature, root: Path, args) -> di
     saved = json.loads((out / "model" / "mhla_config.json").read_text())
     result = {"conversion": spec["conversion"], "objective": spec["objective"], "transfer": transfer,
               "seconds": time.perf_counter() - tic, "converted_layers": saved["plan"]["layers"],
-              "sensitivity": saved["plan"].get("sensitivity"), "curve": curve}
+              "sensitivity": saved["plan"].get("sensitivity"), "retrieval_heads": saved["mhla"].get("retrieval_heads"),
+              "curve": curve}
     (root / f"{kind}-{name}.json").write_text(json.dumps(result, default=str))  # (read if the run is cut short)
     return result
 
@@ -448,6 +452,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LM: fraction of training rows that repeat a 256-byte span, so that the original learns "
                              "long-range copying and the recall probe separates the designs")
     parser.add_argument("--lm-heads", default="4/2", help="LM: query / key heads per layer, e.g. 8/8 (default 4/2)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="another miniature: which tenth of the data is held out, the originals' initialisation "
+                             "and the training order (default 0)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and steps: a CPU smoke run")
 
 
@@ -483,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
         write_data(kind, mini, args.out, args)
-    bases = _run_all([(train_base, kind, mini, args.out, args.precision) for kind, mini in minis.items()], args.jobs)
+    bases = _run_all([(train_base, kind, mini, args.out, args) for kind, mini in minis.items()], args.jobs)
     results = {}
     for (kind, mini), curve in zip(minis.items(), bases):
         original = min(r["validation_loss"] for r in curve)  # the original is the best model by held-out loss

@@ -115,7 +115,7 @@ def quality(args, save) -> dict:
     for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
         fidelity.write_data(kind, mini, args.out, args)
-    bases = fidelity._run_all([(fidelity.train_base, kind, mini, args.out, args.precision)
+    bases = fidelity._run_all([(fidelity.train_base, kind, mini, args.out, args)
                                for kind, mini in minis.items()], args.jobs)
     result = {}
     for (kind, mini), curve in zip(minis.items(), bases):

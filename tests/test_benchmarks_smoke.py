@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -230,11 +231,31 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
         assert lm[name]["truncation"] == lm["local-retrieval"]["step0"] != lm["window"]["step0"]
     for name in ("full-retrieval-auto", "full-hedgehog-distill-retrieval-auto"):
         assert lm[name]["truncation"] == lm["local-retrieval-auto"]["step0"] != lm["window"]["step0"]
+        chosen = json.loads((tmp_path / f"lm-{name}.json").read_text())["retrieval_heads"]  # recorded per layer
+        assert chosen and all(heads for heads in chosen.values()), chosen
     assert lm["softmax"]["transfer"] is None and lm["linear"]["truncation"] is None
     assert set(summary["lm"]["recall"]) >= {"original", "window", "full"}
     levels = summary["dit"]["by_noise_level"]
     assert set(levels["full"]) == {"50", "150", "300", "450", "700", "900"} and levels["original"]["50"] == 0
     assert (tmp_path / "fidelity.md").read_text().count("| variant |") >= 3
+
+
+@pytest.mark.parametrize("kind", ["lm", "dit"])
+def test_fidelity_seed_holds_out_another_tenth(load, tmp_path, kind):
+    """--seed makes another miniature: the held-out rows change, and the same seed writes the same data."""
+    fidelity = load("fidelity")
+
+    def held_out(seed: int, name: str) -> torch.Tensor:
+        directory = tmp_path / name
+        directory.mkdir()
+        if kind == "lm":
+            fidelity.lm_data(directory, 64, 2_000, seed=seed)
+        else:
+            fidelity.dit_data(directory, True, 8, seed=seed)
+        return load_file(str(directory / "heldout.safetensors"))["input_ids" if kind == "lm" else "latents"]
+
+    first, again, other = held_out(0, "a"), held_out(0, "b"), held_out(3, "c")
+    assert torch.equal(first, again) and not torch.equal(first[: len(other)], other[: len(first)])
 
 
 def test_frontier_quick_fills_a_row_per_ratio(load, tmp_path):
