@@ -31,6 +31,7 @@ echo "== pytest ${gpu_tests[*]} >> gpu_tests.txt"
 
 step kernel_breakdown.txt "$py" benchmarks/kernel_breakdown.py
 step attention_op.log "$py" benchmarks/attention_op.py --out "$out/attention_op"
+step exact_blocks_tiles.log "$py" benchmarks/exact_blocks_tiles.py --out "$out/exact_blocks_tiles.txt"
 step exact_prefill.txt "$py" benchmarks/exact_prefill.py
 step host_overhead.txt "$py" benchmarks/host_overhead.py
 : > "$out/whole_models.txt"

@@ -240,6 +240,22 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
     assert (tmp_path / "fidelity.md").read_text().count("| variant |") >= 3
 
 
+def test_exact_blocks_tiles_sweeps_the_settings_in_use(load):
+    """The launch sweep's candidates are distinct and hold the forward's settings in use (with the tiles they
+    default to), so each run compares them; without CUDA it stops in one line."""
+    tiles = load("exact_blocks_tiles")
+    from mhla_convert.kernels import settings
+
+    found = tiles.candidates()
+    assert len(set(found)) == len(found)
+    own = settings.SETTINGS.exact_blocks_forward[tiles.DIM]
+    tokens = own.tokens or settings.SETTINGS.tile_tokens
+    assert own._replace(tokens=tokens, keys=own.keys or tokens) in found
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            tiles.main([])
+
+
 @pytest.mark.parametrize("kind", ["lm", "dit"])
 def test_fidelity_seed_holds_out_another_tenth(load, tmp_path, kind):
     """--seed makes another miniature: the held-out rows change, and the same seed writes the same data."""

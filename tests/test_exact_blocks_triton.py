@@ -114,6 +114,22 @@ def test_several_tiles_per_block_and_head_dim_72(small_tiles, radius):
 
 
 @run
+@pytest.mark.parametrize("tiles", [(16, 8), (8, 32)], ids=["keys-smaller", "keys-larger"])
+def test_key_tiles_of_another_size_than_query_tiles(monkeypatch, tiles):
+    """The forward's key tile (`Launch.keys`) apart from its query tile: blocks of 25 tokens in query tiles of 16
+    and key tiles of 8 (four, the last partial), and the reverse (one key tile covers the block), with a key_mask."""
+    tokens, keys = tiles
+    forward = {dim: own._replace(tokens=tokens, keys=keys)
+               for dim, own in settings.SETTINGS.exact_blocks_forward.items()}
+    monkeypatch.setattr(settings, "SETTINGS", dataclasses.replace(settings.SETTINGS, exact_blocks_forward=forward))
+    case = (2, (10, 9), (2, 2), 2, 1, 8, 8, 1, True, "elu")
+    (q, k, v, mixing), layout = _inputs(case)
+    key_mask = torch.rand(q.shape[:2], generator=torch.Generator().manual_seed(1)).to(DEVICE) > 0.2
+    got, want = _both(case, q, k, v, mixing, layout, key_mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@run
 def test_a_wan_sized_block():
     """Blocks of 3 × 10 × 10 = 300 tokens (Wan2.1's at 480p), five 64-token tiles each, at the default tiles;
     head dim 128."""

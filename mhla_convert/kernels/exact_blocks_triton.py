@@ -3,8 +3,8 @@ the reference these kernels are tested against).
 
 Forward, three launches:
 1. summaries: S_j = Σ φ(k)ᵀ v and z_j = Σ φ(k) per (batch, kv head, block j), one row of D·Dv + D columns, over the
-   block's tokens in tiles of `Settings.tile_tokens` (a block of Wan's 3 × 10 × 10 latent patches is 300 tokens);
-   skipped when every block lies in every other's neighbourhood (no query reads a summary);
+   block's tokens in token tiles (`Settings.exact_blocks_forward`; a block of Wan's 3 × 10 × 10 latent patches is
+   300 tokens); skipped when every block lies in every other's neighbourhood (no query reads a summary);
 2. the far mixture S̃_i = Σ_{j ∉ E(i)} m_ij S_j (and z̃), one torch GEMM with the mixing's neighbourhood entries set
    to 0 (per query head when the mixing is per head, else per kv head);
 3. one fused program per (query head, query tile of block i, batch): the softmax kernel flash-style over the tokens
@@ -112,12 +112,12 @@ def _blocks_forward_kernel(
     NB2, T, TILES: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, FAR: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, LSE, slb, slh,
-    SAVE: tl.constexpr,
+    SAVE: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr,
 ):
     """Output rows of query tile `pid % TILES` of block i = pid // TILES (a block is TILES tiles of BT tokens), for
-    query head h of batch b. qk_scale = log2(e)/√D: scores and the running maximum are in log2 units, so every
-    exponential is an exp2. SAVE: also each row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)),
-    for the backward."""
+    query head h of batch b; each neighbour block's keys are read in KTILES tiles of BK tokens. qk_scale =
+    log2(e)/√D: scores and the running maximum are in log2 units, so every exponential is an exp2. SAVE: also each
+    row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)), for the backward."""
     h, pid, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i, qtile = pid // TILES, pid % TILES
     hk = h // GROUPS
@@ -141,12 +141,12 @@ def _blocks_forward_kernel(
         w = tl.load(mix_row + j, mask=on_grid, other=0.0).to(tl.float32)
         # a block off the grid or of weight 0 has no keys: left out of the shift as of the sums
         if w > 0:
-            for tile in range(TILES):
-                s, kvalid = _rows(j, tile * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
+            for tile in range(KTILES):
+                s, kvalid = _rows(j, tile * BK + tl.arange(0, BK), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
                 if MASKED:
                     kvalid &= tl.load(KM + b * smb + s, mask=kvalid, other=0) != 0
                 kt = tl.load(kp + s[None, :] * skn + d[:, None], mask=kvalid[None, :] & (d < D)[:, None],
-                             other=0.0)  # (BD, BT)
+                             other=0.0)  # (BD, BK)
                 scores = tl.dot(_operand(q, q.dtype, WIDEN), _operand(kt, kt.dtype, WIDEN), input_precision=DOT_PREC)
                 scores = tl.where(kvalid[None, :], scores * qk_scale, float("-inf"))
                 new = tl.maximum(shift, tl.max(scores, 1))
@@ -416,13 +416,14 @@ def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False):
     masked = key_mask is not None
     km = _row_major(key_mask).view(torch.uint8) if masked else q  # (a pointer the kernels never read when unmasked)
     half = q.dtype != torch.float32
-    warps, stages = settings.SETTINGS.exact_launches[_p2(max(dim, dv))]
-    bt = min(_p2(settings.SETTINGS.tile_tokens), _p2(t))
+    own = settings.SETTINGS.exact_blocks_forward[_p2(max(dim, dv))]
+    bt = min(_p2(own.tokens or settings.SETTINGS.tile_tokens), _p2(t))
+    bk = min(_p2(own.keys or bt), _p2(t))
     geometry, nb0 = _geometry(layout)
     tiles = _cdiv(t, bt)
     consts = dict(**geometry, TILES=tiles, D=dim, DV=dv, BT=bt, BD=_p2(dim), BDV=_p2(dv), PHI=phi_id(p.phi),
-                  MASKED=masked, DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(), num_warps=warps,
-                  num_stages=stages)
+                  MASKED=masked, DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(),
+                  num_warps=own.warps or settings.SETTINGS.warps, **({"num_stages": own.stages} if own.stages else {}))
     o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device)
     lse = _new(batch, heads, n, dtype=torch.float32, device=q.device) if save else o
 
@@ -446,7 +447,8 @@ def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False):
         k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0), o.stride(0), o.stride(1),
         o.stride(2), m * m if per_head else 0, *sf_strides, m, groups, far_groups, math.log2(math.e) * dim**-0.5,
         p.scale, p.eps, NB0=nb0, R0=radius[0], R1=radius[1], R2=radius[2], FAR=p.far, LSE=lse,
-        slb=lse.stride(0) if save else 0, slh=lse.stride(1) if save else 0, SAVE=save, **consts)
+        slb=lse.stride(0) if save else 0, slh=lse.stride(1) if save else 0, SAVE=save, BK=bk, KTILES=_cdiv(t, bk),
+        **consts)
     if not save:
         return o
     return o, lse, s, sf

@@ -22,6 +22,7 @@ class Launch(NamedTuple):
     stages: int | None = None  # software pipelining depth; None: Triton's default
     maxnreg: int | None = None  # register cap per thread; None: the compiler's choice
     tokens: int | None = None  # token tile (non-causal); None: `Settings.tile_tokens`
+    keys: int | None = None  # key tile where it differs from the query tile (`tokens`); None: the same
 
 
 # 4 warps, 2 stages: the fewer stages leave shared memory for more programs per SM, and column parts of at most
@@ -132,6 +133,13 @@ class Settings:
     # overlaps the far summaries' load (about 6% at the Llama-3.2-1B shape)
     exact_launches: dict[int, tuple[int, int]] = field(
         default_factory=lambda: {16: (4, 2), 32: (4, 2), 64: (4, 3), 128: (8, 2)})
+    # the forward of non-causal attention with an exact block neighbourhood (`exact_blocks_triton`), by the widest
+    # head-dim tile: warps, stages, query tile (`tokens`) and key tile (`keys`) of its softmax launch; its summaries
+    # launch takes the same warps, stages and query tile. At 128, 64-token query and key tiles under 4 warps and 3
+    # stages were the fastest of 40 settings at Wan2.1's 480p and 720p shapes (benchmarks/exact_blocks_tiles.py),
+    # 1.5x and 2.1x the 8 warps and 2 stages of the causal exact kernel that it used before
+    exact_blocks_forward: dict[int, Launch] = field(default_factory=lambda: {
+        16: Launch(4, 2), 32: Launch(4, 2), 64: Launch(4, 3), 128: Launch(4, 3)})
     # the backward of non-causal attention with an exact block neighbourhood (`exact_blocks_triton`), by the widest
     # head-dim tile: warps, stages and the token tile of its three launches (register cap unused). Its query-side
     # and key-side kernels each hold two (tokens x head dim) float32 accumulators beside their score tiles (dq and
