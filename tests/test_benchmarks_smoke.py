@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -238,6 +239,20 @@ def test_fidelity_quick_runs_every_variant_and_writes_the_summary(load, tmp_path
     levels = summary["dit"]["by_noise_level"]
     assert set(levels["full"]) == {"50", "150", "300", "450", "700", "900"} and levels["original"]["50"] == 0
     assert (tmp_path / "fidelity.md").read_text().count("| variant |") >= 3
+
+
+def test_parallel_quick_runs_every_form_and_the_fsdp_step(tmp_path):
+    """parallel.py's CPU smoke run (gloo, tiny Wan, world sizes 1 and 2, in processes of its own): every form's
+    forward, the bytes it sends, and the FSDP2 step, in the JSON the docs read."""
+    out = tmp_path / "parallel.json"
+    subprocess.run([sys.executable, str(BENCHMARKS / "parallel.py"), "--quick", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    saved = json.loads(out.read_text())
+    assert set(saved["wan_720p_mhla_ms"]) == set(saved["wan_720p_original_ms"]) == {"1", "2"}
+    forms = saved["wan_720p_by_form"]["2"]
+    assert set(forms) == {"original/ulysses", "mhla/ulysses", "mhla/ring"}
+    assert all(row["ms"] > 0 and row["bytes_per_layer"] > 0 for row in forms.values())
+    assert saved["fsdp_wan14b"]["ok"] is True and saved["fsdp_wan14b"]["step_s"] > 0
 
 
 def test_exact_blocks_tiles_sweeps_the_settings_in_use(load):
