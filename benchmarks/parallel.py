@@ -6,13 +6,14 @@ fine-tuning step of a converted Wan2.1-14B-shaped model.
   of `ops.context_parallel` (ulysses_degree: the ulysses form; ring_degree: the summaries exchange), bf16, batch 1;
   median ms of CUDA-event-timed forwards after warm-up, speed-up over one GPU, and the bytes each rank sends per
   self-attention layer (from the shapes: what each form's collectives carry).
-- FSDP2 on 4 GPUs: the Wan2.1-14B-shaped transformer converted to MHLA, `fully_shard` per block (bf16 compute,
-  float32 reduction and master weights), gradient checkpointing, one AdamW step at 480p x 81 frames: peak memory
-  per GPU and step time.
+- FSDP2 on 4 GPUs: the Wan2.1-14B-shaped transformer converted to MHLA, and the original beside it (`--fsdp-variants`),
+  `fully_shard` per block (bf16 compute, float32 reduction and master weights), gradient checkpointing, one AdamW
+  step at 480p x 81 frames: peak memory per GPU and step time.
 
 Writes `docs/bench/parallel.json`: {"wan_720p_mhla_ms": {"1": t, "2": t, "4": t}, "wan_720p_original_ms": {...},
 "fsdp_wan14b": {"ok": true, "gpus": 4, "peak_gib": x, "step_s": y}} (the faster form per GPU count), plus each
-form's times and bytes. `--quick` runs the same code on the CPU over gloo at tiny shapes (a smoke run).
+form's times and bytes and the original's FSDP2 step (`fsdp_wan14b_original`). `--quick` runs the same code on the
+CPU over gloo at tiny shapes (a smoke run).
 
     python benchmarks/parallel.py                       # 1, 2 and 4 GPUs of one machine
     python benchmarks/parallel.py --quick --out /tmp/parallel.json
@@ -152,11 +153,12 @@ def _wan_job(rank, world, path, quick, out):
                 torch.cuda.empty_cache()
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    _leave(quick)
 
 
-def _fsdp_job(rank, world, path, quick, out):
-    """One AdamW step of the converted 14B-shaped model under FSDP2: peak memory and step time."""
+def _fsdp_job(rank, world, path, quick, out, variant):
+    """One AdamW step of the 14B-shaped model under FSDP2, converted (`variant` "mhla") or as it is ("original"):
+    peak memory and step time."""
     from diffusers import WanTransformer3DModel
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -167,7 +169,8 @@ def _fsdp_job(rank, world, path, quick, out):
     shapes = quick_shapes() if quick else full_shapes()
     with torch.device("meta"):  # sharded before any weight exists, then materialised shard by shard
         model = WanTransformer3DModel.from_config(shapes["big"])
-    convert(model, progress=False)
+    if variant == "mhla":
+        convert(model, progress=False)
     model.enable_gradient_checkpointing()
     adapter_for_model(model).prepare_checkpointing(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.float32 if quick else torch.bfloat16, reduce_dtype=torch.float32)
@@ -203,24 +206,36 @@ def _fsdp_job(rank, world, path, quick, out):
     dist.all_gather_object(peaks, peak)
     if rank == 0:
         Path(out).write_text(json.dumps({"ok": True, "gpus": world, "peak_gib": max(peaks), "step_s": seconds}))
+    _leave(quick)
+
+
+def _leave(quick: bool) -> None:
+    """The end of a worker: its process group destroyed. On the CPU (gloo, --quick) the worker then exits at once:
+    the interpreter's own teardown there now and then aborts on a C++ thread left running, after the work is done."""
     dist.destroy_process_group()
+    if quick:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def _run(job, world: int, quick: bool) -> dict:
+def _run(job, world: int, quick: bool, *extra) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        mp.spawn(job, args=(world, str(Path(tmp) / "rendezvous"), quick, str(out)), nprocs=world, join=True)
+        mp.spawn(job, args=(world, str(Path(tmp) / "rendezvous"), quick, str(out), *extra), nprocs=world, join=True)
         return json.loads(out.read_text())
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpus", default="1,2,4", help="world sizes of the Wan forward (default 1,2,4)")
+    parser.add_argument("--gpus", default="1,2,4", help="world sizes of the Wan forward (default 1,2,4; 0: skip)")
     parser.add_argument("--fsdp-gpus", type=int, default=4, help="GPUs of the FSDP step (default 4; 0: skip)")
+    parser.add_argument("--fsdp-variants", default="mhla,original",
+                        help="models of the FSDP step: mhla (the conversion), original (default both)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, tiny shapes, world sizes 1 and 2")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "parallel.json"))
     args = parser.parse_args(argv)
-    worlds = [1, 2] if args.quick else [int(w) for w in args.gpus.split(",")]
+    worlds = [1, 2] if args.quick else [int(w) for w in args.gpus.split(",") if int(w)]
     fsdp_gpus = 2 if args.quick and args.fsdp_gpus else args.fsdp_gpus
     if not args.quick and max(worlds + [fsdp_gpus]) > torch.cuda.device_count():
         raise SystemExit(f"needs {max(worlds + [fsdp_gpus])} GPUs, found {torch.cuda.device_count()}; "
@@ -238,9 +253,10 @@ def main(argv=None) -> dict:
         times = result[f"wan_720p_{variant}_ms"]
         if "1" in times:
             result[f"wan_720p_{variant}_speedup"] = {w: times["1"] / t for w, t in times.items()}
-    if fsdp_gpus:
-        result["fsdp_wan14b"] = _run(_fsdp_job, fsdp_gpus, args.quick)
-        print(f"FSDP2 step: {result['fsdp_wan14b']}", flush=True)
+    for variant in args.fsdp_variants.split(",") if fsdp_gpus else []:
+        key = "fsdp_wan14b" + ("" if variant == "mhla" else f"_{variant}")
+        result[key] = _run(_fsdp_job, fsdp_gpus, args.quick, variant)
+        print(f"FSDP2 step, {variant}: {result[key]}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
