@@ -265,6 +265,52 @@ def test_clip_score_through_eval_from_a_local_clip_model(tmp_path):
     assert "sample_clip_score" in result.output
 
 
+def test_fid_through_eval_scores_the_models_samples_against_the_references(tmp_path, monkeypatch):
+    """FID's wiring, with torchmetrics' FrechetInceptionDistance stood in for (the real one needs torchmetrics,
+    torch-fidelity and torchvision, which the tests do not install): the local weights file, normalised float
+    [0, 1] images of (N, 3, H, W), the reference's samples as the real set and the model's as the generated one,
+    and the metric's value in eval.json."""
+    seen = {}
+
+    class FrechetInceptionDistance:
+        def __init__(self, feature, normalize, feature_extractor_weights_path):
+            seen.update(feature=feature, normalize=normalize, weights=feature_extractor_weights_path, updates=[])
+
+        def update(self, images, real):
+            seen["updates"].append((real, images.clone()))
+
+        def compute(self):
+            (_, real), (_, fake) = seen["updates"]
+            return (real.mean() - fake.mean()).square() + 1.0  # (never 0: a number only this stand-in gives)
+
+    for name in ("torchmetrics", "torchmetrics.image", "torchmetrics.image.fid", "torch_fidelity"):
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # (what find_spec reports of it)
+        module.FrechetInceptionDistance = FrechetInceptionDistance
+        monkeypatch.setitem(sys.modules, name, module)
+    weights = tmp_path / "pt_inception-2015-12-05-6726825d.pth"
+    weights.write_bytes(b"\0")
+    model = tiny_model("tiny-sana")
+    convert(model, mixing_init="uniform")  # samples unlike the reference's
+    drawn, draw = {}, eval_samples.draw_samples
+
+    def recorded(adapter, transformer, *args, **kwargs):
+        pipe, samples = draw(adapter, transformer, *args, **kwargs)
+        drawn["model" if transformer is model else "reference"] = samples
+        return pipe, samples
+
+    monkeypatch.setattr(eval_samples, "draw_samples", recorded)
+    result = evaluate(model, "synthetic", "tiny-sana", metrics=["fid"], fid_weights=weights, num_samples=2,
+                      sample_steps=2, progress=False, out_dir=tmp_path / "eval", **{**DIFFUSION, "samples": True})
+    assert (seen["feature"], seen["normalize"], seen["weights"]) == (2048, True, str(weights))
+    assert [real for real, _ in seen["updates"]] == [True, False]
+    (_, real), (_, fake) = seen["updates"]
+    assert torch.equal(real, drawn["reference"].float()) and torch.equal(fake, drawn["model"].float())
+    assert real.shape == fake.shape and real.shape[:2] == (2, 3) and real.dtype == torch.float32
+    assert 0 <= min(real.min(), fake.min()) and max(real.max(), fake.max()) <= 1 and not torch.equal(real, fake)
+    assert result["comparison"]["sample_fid"] == pytest.approx(((real.mean() - fake.mean()).square() + 1).item())
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(metrics=["fid"]), "the fid metric needs local weights, nothing is downloaded: give --fid-weights"),
     (dict(metrics=["clip"]), "the clip metric needs local weights, nothing is downloaded: give --clip-model"),
@@ -433,6 +479,15 @@ def test_bad_input_is_one_clear_error(case, message, tmp_path):
     }
     with pytest.raises(EvalError, match=message) as error:
         calls[case]()
+    assert "\n" not in str(error.value)
+
+
+def test_a_conversion_report_given_as_the_model_is_refused_in_one_line():
+    """convert() returns its report, not the model: passing that on says so, rather than trying it as a path."""
+    report = convert(tiny_model("tiny-dit"), progress=False)
+    with pytest.raises(EvalError, match=r"the model must be a model \(nn.Module\), a name or a path; got "
+                                        r"ConversionReport \(convert\(\) changes the model in place") as error:
+        evaluate(report, "synthetic", **DIFFUSION)
     assert "\n" not in str(error.value)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..convert import ConversionReport
 from ..families import FamilyAdapter, UnsupportedModelError, adapter_for_model
 from ..locations import SOURCE_ATTR, components_of
 from ..models import load_model
@@ -30,6 +31,10 @@ def resolve_model(spec: nn.Module | str | Path, *, role: str, dtype=None, device
     converted checkpoint (`from_pretrained`) and anything else as a base model (`subfolder`: the
     model's folder in a directory or hub repo). An nn.Module is used as given: cast to `dtype` and
     moved to `device` only when those are set."""
+    if not isinstance(spec, (nn.Module, str, Path)):
+        hint = " (convert() changes the model in place and returns its report)"
+        raise EvalError(f"the {role} must be a model (nn.Module), a name or a path; got {type(spec).__name__}"
+                        + (hint if isinstance(spec, ConversionReport) else ""))
     try:
         torch_dtype = parse_dtype(dtype)
         if isinstance(spec, nn.Module):
