@@ -6,14 +6,14 @@ fine-tuning step of a converted Wan2.1-14B-shaped model.
   of `ops.context_parallel` (ulysses_degree: the ulysses form; ring_degree: the summaries exchange), bf16, batch 1;
   median ms of CUDA-event-timed forwards after warm-up, speed-up over one GPU, and the bytes each rank sends per
   self-attention layer (from the shapes: what each form's collectives carry).
-- FSDP2 on 4 GPUs: the Wan2.1-14B-shaped transformer converted to MHLA, and the original beside it (`--fsdp-variants`),
-  `fully_shard` per block (bf16 compute, float32 reduction and master weights), gradient checkpointing, one AdamW
-  step at 480p x 81 frames: peak memory per GPU and step time.
+- FSDP2 on 4 GPUs: the Wan2.1-14B-shaped transformer converted to MHLA, and the original (or a 2/3 hybrid) beside it
+  (`--fsdp-variants`), `fully_shard` per block (bf16 compute, float32 reduction and master weights), gradient
+  checkpointing, one AdamW step at 480p x 81 frames: peak memory per GPU and step time.
 
 Writes `docs/bench/parallel.json`: {"wan_720p_mhla_ms": {"1": t, "2": t, "4": t}, "wan_720p_original_ms": {...},
 "fsdp_wan14b": {"ok": true, "gpus": 4, "peak_gib": x, "step_s": y}} (the faster form per GPU count), plus each
-form's times and bytes and the original's FSDP2 step (`fsdp_wan14b_original`). `--quick` runs the same code on the
-CPU over gloo at tiny shapes (a smoke run).
+form's times and bytes and the other models' FSDP2 steps (`fsdp_wan14b_original`, `fsdp_wan14b_hybrid`). `--quick`
+runs the same code on the CPU over gloo at tiny shapes (a smoke run).
 
     python benchmarks/parallel.py                       # 1, 2 and 4 GPUs of one machine
     python benchmarks/parallel.py --quick --out /tmp/parallel.json
@@ -157,8 +157,8 @@ def _wan_job(rank, world, path, quick, out):
 
 
 def _fsdp_job(rank, world, path, quick, out, variant):
-    """One AdamW step of the 14B-shaped model under FSDP2, converted (`variant` "mhla") or as it is ("original"):
-    peak memory and step time."""
+    """One AdamW step of the 14B-shaped model under FSDP2, converted (`variant` "mhla"), two thirds converted
+    ("hybrid", softmax kept in every third layer) or as it is ("original"): peak memory and step time."""
     from diffusers import WanTransformer3DModel
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -169,8 +169,8 @@ def _fsdp_job(rank, world, path, quick, out, variant):
     shapes = quick_shapes() if quick else full_shapes()
     with torch.device("meta"):  # sharded before any weight exists, then materialised shard by shard
         model = WanTransformer3DModel.from_config(shapes["big"])
-    if variant == "mhla":
-        convert(model, progress=False)
+    if variant != "original":
+        convert(model, ratio=1.0 if variant == "mhla" else 2 / 3, progress=False)
     model.enable_gradient_checkpointing()
     adapter_for_model(model).prepare_checkpointing(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.float32 if quick else torch.bfloat16, reduce_dtype=torch.float32)
@@ -231,10 +231,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpus", default="1,2,4", help="world sizes of the Wan forward (default 1,2,4; 0: skip)")
     parser.add_argument("--fsdp-gpus", type=int, default=4, help="GPUs of the FSDP step (default 4; 0: skip)")
     parser.add_argument("--fsdp-variants", default="mhla,original",
-                        help="models of the FSDP step: mhla (the conversion), original (default both)")
+                        help="models of the FSDP step: mhla (the conversion), hybrid (two thirds converted), "
+                             "original (default mhla,original)")
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: gloo, tiny shapes, world sizes 1 and 2")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "parallel.json"))
     args = parser.parse_args(argv)
+    unknown = set(args.fsdp_variants.split(",")) - {"mhla", "hybrid", "original"}
+    if unknown:
+        raise SystemExit(f"--fsdp-variants takes mhla, hybrid and original; got {sorted(unknown)}")
     worlds = [1, 2] if args.quick else [int(w) for w in args.gpus.split(",") if int(w)]
     fsdp_gpus = 2 if args.quick and args.fsdp_gpus else args.fsdp_gpus
     if not args.quick and max(worlds + [fsdp_gpus]) > torch.cuda.device_count():

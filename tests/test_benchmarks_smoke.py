@@ -245,15 +245,16 @@ def test_parallel_quick_runs_every_form_and_the_fsdp_step(tmp_path):
     """parallel.py's CPU smoke run (gloo, tiny Wan, world sizes 1 and 2, in processes of its own): every form's
     forward, the bytes it sends, and the FSDP2 step, in the JSON the docs read."""
     out = tmp_path / "parallel.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "parallel.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    command = [sys.executable, str(BENCHMARKS / "parallel.py"), "--quick", "--out", str(out),
+               "--fsdp-variants", "mhla,hybrid,original"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert set(saved["wan_720p_mhla_ms"]) == set(saved["wan_720p_original_ms"]) == {"1", "2"}
     forms = saved["wan_720p_by_form"]["2"]
     assert set(forms) == {"original/ulysses", "mhla/ulysses", "mhla/ring"}
     assert all(row["ms"] > 0 and row["bytes_per_layer"] > 0 for row in forms.values())
-    for key in ("fsdp_wan14b", "fsdp_wan14b_original"):  # the conversion's step and the original's
+    for key in ("fsdp_wan14b", "fsdp_wan14b_hybrid", "fsdp_wan14b_original"):
         assert saved[key]["ok"] is True and saved[key]["step_s"] > 0
 
 
