@@ -137,7 +137,8 @@ class Settings:
     # head-dim tile: warps, stages, query tile (`tokens`) and key tile (`keys`) of its softmax launch; its summaries
     # launch takes the same warps, stages and query tile. At 128, 64-token query and key tiles under 4 warps and 3
     # stages were the fastest of 40 settings at Wan2.1's 480p and 720p shapes (benchmarks/exact_blocks_tiles.py),
-    # 1.5x and 2.1x the 8 warps and 2 stages of the causal exact kernel that it used before
+    # 1.5x and 2.1x the 8 warps and 2 stages of the causal exact kernel that it used before. DiT's and PixArt's head
+    # dim of 72 (tiles of 128 columns) takes the same entry; the sweep did not time their neighbourhoods
     exact_blocks_forward: dict[int, Launch] = field(default_factory=lambda: {
         16: Launch(4, 2), 32: Launch(4, 2), 64: Launch(4, 3), 128: Launch(4, 3)})
     # the backward of non-causal attention with an exact block neighbourhood (`exact_blocks_triton`), by the widest
