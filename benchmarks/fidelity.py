@@ -1,12 +1,16 @@
 """Fidelity benchmark: how close a converted model stays to its original, on real data, against the controls.
 
-Two miniatures, each trained from scratch with the project's own recipe machinery (a ratio-0 recipe is plain
-training of the original), then converted and fine-tuned with recipes:
+Miniatures, each trained from scratch with the project's own recipe machinery (a ratio-0 recipe is plain training
+of the original), then converted and fine-tuned with recipes:
 
 - **lm**: a Llama-style byte-level LM (6 layers, 256 wide, GQA) on the Python source of the installed
   `transformers` package in rows of 1,024 bytes; every tenth file is held out.
 - **dit**: a class-conditional DiT (6 layers, 256 wide, patch 1) on scikit-learn's handwritten digits upsampled to
   16×16 pixels, so 256 tokens in 4×4 blocks of 4×4 tokens; every tenth image is held out.
+- **joint** (`--kinds joint`, not run by default): a FLUX-style MM-DiT (2 dual-stream and 4 single-stream blocks,
+  256 wide) on the same digits at 32×32 latents in FLUX's 2×2 packing, so 256 image tokens in 4×4 blocks beside 8
+  text tokens that carry the class (a fixed random embedding per class, and a pooled one): joint text–image
+  attention, as FLUX.1 and Qwen-Image convert.
 
 Every variant runs the same budget: attention transfer, then fine-tuning of all weights (the original fine-tuned
 alike takes the transfer's steps as fine-tuning), with the held-out loss (fixed batches, fixed noise) at step 0,
@@ -90,22 +94,43 @@ def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: flo
     save_file({"input_ids": torch.cat([spans, spans], 1)}, str(directory / "recall.safetensors"))
 
 
-def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
-    """scikit-learn's digits upsampled to size × size, in [-1, 1], with their class labels (`quick`: random
-    images, no scikit-learn); every 10th image (from the `seed % 10`-th) is held out."""
+def digits(quick: bool, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits upsampled to (N, 1, size, size), in [-1, 1], and their class labels (`quick`: random
+    images, no scikit-learn)."""
     if quick:
         g = torch.Generator().manual_seed(seed)
         images, labels = torch.rand(200, 1, 8, 8, generator=g) * 16, torch.randint(0, 10, (200,), generator=g)
     else:
         from sklearn.datasets import load_digits
 
-        digits = load_digits()
-        images, labels = torch.tensor(digits.images, dtype=torch.float32)[:, None], torch.tensor(digits.target)
-    images = torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear")
-    held = torch.arange(len(labels)) % 10 == seed % 10
+        loaded = load_digits()
+        images, labels = torch.tensor(loaded.images, dtype=torch.float32)[:, None], torch.tensor(loaded.target)
+    return torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear"), labels
+
+
+def save_splits(directory: Path, columns: dict[str, torch.Tensor], seed: int) -> None:
+    """train.safetensors and heldout.safetensors: every 10th row (from the `seed % 10`-th) held out."""
+    held = torch.arange(len(next(iter(columns.values())))) % 10 == seed % 10
     for split, mask in (("train", ~held), ("heldout", held)):
-        save_file({"latents": images[mask].contiguous(), "class_labels": labels[mask].long().contiguous()},
-                  str(directory / f"{split}.safetensors"))
+        save_file({k: v[mask].contiguous() for k, v in columns.items()}, str(directory / f"{split}.safetensors"))
+
+
+def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
+    """The digits at size × size with their class labels (`digits`)."""
+    images, labels = digits(quick, size, seed)
+    save_splits(directory, {"latents": images, "class_labels": labels.long()}, seed)
+
+
+def joint_data(directory: Path, quick: bool, config: dict, size: int, seed: int = 0, text: int = 8) -> None:
+    """The digits as (C, size, size) latents (each channel the image), for an MM-DiT of `config`: the class as `text`
+    prompt-embedding tokens and a pooled embedding, each a fixed random draw per class."""
+    images, labels = digits(quick, size, seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    prompts = torch.randn(10, text, config["joint_attention_dim"], generator=g)
+    pooled = torch.randn(10, config["pooled_projection_dim"], generator=g)
+    latents = images.expand(-1, config["in_channels"] // 4, -1, -1)  # (FLUX packs 2×2 patches of C channels)
+    save_splits(directory, {"latents": latents, "prompt_embeds": prompts[labels],
+                            "pooled_prompt_embeds": pooled[labels]}, seed)
 
 
 def write_data(kind: str, mini: Miniature, root: Path, args) -> None:
@@ -115,6 +140,8 @@ def write_data(kind: str, mini: Miniature, root: Path, args) -> None:
     if kind == "lm":
         lm_data(directory, 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000, args.copy_rows,
                 args.seed)
+    elif kind == "joint":
+        joint_data(directory, args.quick, mini.config, mini.latent_size, args.seed)
     else:
         dit_data(directory, args.quick, mini.config["sample_size"], args.seed)
 
@@ -132,6 +159,7 @@ class Miniature:
     finetune_lr: float
     conversion: dict = field(default_factory=dict)  # options every converted variant shares
     variants: dict = field(default_factory=dict)  # name -> (label, conversion section, transfer, objective)
+    latent_size: int = 0  # the joint miniature's latent side (its image tokens: half that on each axis)
 
 
 def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Miniature]:
@@ -203,12 +231,20 @@ def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Min
         "full-no-exact": ("full MHLA, no exact region (the paper's form)",
                           {"ratio": 1.0, "options": {"exact_radius": None}}, True, {}),
     }
+    head = width // 4
+    dual = max(1, layers // 3)
+    joint = dict(patch_size=1, in_channels=16, num_layers=dual, num_single_layers=layers - dual,
+                 attention_head_dim=head, num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64,
+                 guidance_embeds=False, axes_dims_rope=(head // 4, 3 * head // 8, 3 * head // 8))
     return {
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
                         finetune_lr=1e-4, conversion={"options": {"chunk_size": chunk}},
                         variants=lm_variants),
         "dit": Miniature("dit", dit, base_steps=20 if quick else 3000, base_lr=3e-4, batch_size=16 if quick else 128,
                          finetune_lr=5e-5, conversion={"blocks": "4x4"}, variants=dit_variants),
+        "joint": Miniature("flux", joint, base_steps=20 if quick else 3000, base_lr=3e-4,
+                           batch_size=16 if quick else 128, finetune_lr=5e-5, conversion={"blocks": "4x4"},
+                           variants=dit_variants, latent_size=16 if quick else 32),
     }
 
 
@@ -348,9 +384,9 @@ REGION_OPTIONS = ("chunk_size", "exact_chunks", "exact_radius", "retrieval_heads
 def truncation_of(name: str, mini: Miniature) -> str | None:
     """The control whose step 0 is variant `name`'s truncation: the `local` variant cutting every layer to the
     same exact region (same chunking and span), if the variant converts every layer with one."""
-    def region(section: dict) -> tuple:
+    def region(section: dict) -> tuple:  # ("default": the option left to the family, unlike an explicit None)
         options = section.get("options", {})
-        return (*(options.get(k) for k in REGION_OPTIONS), section.get("retrieval_share"))
+        return (*(options.get(k, "default") for k in REGION_OPTIONS), section.get("retrieval_share"))
 
     _, section, _, _ = mini.variants[name]
     if section["ratio"] != 1 or section.get("attention", "mhla") not in ("mhla", "local"):
@@ -379,6 +415,8 @@ def summarise(results: dict, minis: dict[str, Miniature], args) -> dict:
         if kind == "dit":
             summary[kind]["tokens"] = minis[kind].config["sample_size"] ** 2
             summary[kind]["by_noise_level"] = res.get("by_noise_level")
+        if kind == "joint":
+            summary[kind]["tokens"] = (minis[kind].latent_size // 2) ** 2
         if kind == "lm":
             summary[kind]["recall"] = res.get("recall")
     return summary
@@ -512,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
             losses = {name: loss_by_noise_level(path, data, device) for name, path in models.items()}
             res["by_noise_level"] = {name: {str(t): gap(row[t], losses["original"][t]) for t in NOISE_LEVELS}
                                      for name, row in losses.items()}
-        else:
+        elif kind == "lm":
             res["recall"] = {("window" if name == "local" else name): recall_bits(path, data, device)
                              for name, path in models.items()}
     summary = summarise(results, minis, args)

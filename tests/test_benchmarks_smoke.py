@@ -274,6 +274,19 @@ def test_exact_blocks_tiles_sweeps_the_settings_in_use(load):
             tiles.main([])
 
 
+def test_fidelity_quick_joint_miniature(load, tmp_path):
+    """`--kinds joint`: the MM-DiT miniature (text tokens carrying the class beside the image tokens) through every
+    variant, each region-sharing one beside its truncation and the others without one."""
+    load("fidelity").main(["--quick", "--kinds", "joint", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "fidelity_summary.json").read_text())["joint"]
+    variants = summary["variants"]
+    assert summary["tokens"] == 64 and {"full", "local", "linear", "softmax", "full-distill", "full-own-block",
+                                        "full-no-exact", "hybrid-auto"} == set(variants)
+    assert variants["full"]["truncation"] == variants["full-distill"]["truncation"] == variants["local"]["step0"]
+    assert variants["full-no-exact"]["truncation"] is variants["full-own-block"]["truncation"] is None
+    assert all(isinstance(row["final"], float) for row in variants.values())
+
+
 @pytest.mark.parametrize("kind", ["lm", "dit"])
 def test_fidelity_seed_holds_out_another_tenth(load, tmp_path, kind):
     """--seed makes another miniature: the held-out rows change, and the same seed writes the same data."""
