@@ -93,9 +93,9 @@ def variant_name(ratio: float) -> str:
 
 
 def quality_miniatures(quick: bool) -> dict:
-    """fidelity's miniatures with the frontier's variants (--quick: 4 layers, so that every ratio converts a
-    different number of them, scored and fitted on one calibration batch instead of 4)."""
-    minis = fidelity.miniatures(quick)
+    """fidelity's LM and DiT miniatures with the frontier's variants (--quick: 4 layers, so that every ratio converts
+    a different number of them, scored and fitted on one calibration batch instead of 4)."""
+    minis = {kind: mini for kind, mini in fidelity.miniatures(quick).items() if kind in ("lm", "dit")}
     section = {"strategy": "auto", **({"calibration_batches": 1} if quick else {})}
     for mini in minis.values():
         if quick:
