@@ -142,6 +142,20 @@ def test_flow_matching_distils_at_the_same_noisy_input():
     torch.testing.assert_close(got, F.mse_loss(pred, reference), rtol=1e-6, atol=0)
 
 
+def test_flow_matching_noises_at_every_schedule_index():
+    """Each index has the sigma of its timestep, the last (the least noise) included."""
+    original, _, adapter = _pair("tiny-sana")
+    task = adapter.objective(ObjectiveSpec())
+    assert len(task.sigmas) == len(task.timesteps) == ObjectiveSpec().num_train_timesteps
+    torch.testing.assert_close(task.sigmas * len(task.timesteps), task.timesteps)
+    batch = {k: v[:2] for k, v in adapter.synthetic_data(original, parse_recipe(
+        FINETUNE.replace("tiny-dit", "tiny-sana")).data, seed=0).items()}
+    with torch.no_grad():
+        pred, _ = task.prediction(original, batch, torch.tensor([0, len(task.timesteps) - 1]),
+                                  torch.randn_like(batch["latents"]))
+    assert torch.isfinite(pred).all()
+
+
 def test_the_teacher_is_a_frozen_copy_of_the_unconverted_model():
     recipe = parse_recipe(FINETUNE, overrides=["objective.distill=0.5"])
     built = build_model(recipe)

@@ -71,7 +71,8 @@ class FlowMatching(_Denoising):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=self.spec.num_train_timesteps, shift=self.shift)
-        self.timesteps, self.sigmas = sched.timesteps.float(), sched.sigmas[:-1].float()
+        # one sigma per training timestep (sigma = t / num_train_timesteps); no terminal 0 before set_timesteps
+        self.timesteps, self.sigmas = sched.timesteps.float(), sched.sigmas[: len(sched.timesteps)].float()
 
     def indices_at(self, q: torch.Tensor) -> torch.Tensor:
         """Schedule indices at quantiles q ∈ (0, 1) of the training timestep distribution."""
