@@ -22,6 +22,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
+install-test: $(VENV)/.installed-test
+
 demo: $(VENV)/.installed
 	$(VENV)/bin/mhla-convert demo
 
