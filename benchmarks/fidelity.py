@@ -123,11 +123,12 @@ def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
 
 def joint_data(directory: Path, quick: bool, config: dict, size: int, seed: int = 0, text: int = 8) -> None:
     """The digits as (C, size, size) latents (each channel the image), for an MM-DiT of `config`: the class as `text`
-    prompt-embedding tokens and a pooled embedding, each a fixed random draw per class."""
+    prompt-embedding tokens, a fixed random draw per class. The pooled embedding is one draw for every class, so the
+    class reaches the image only through joint attention to the text."""
     images, labels = digits(quick, size, seed)
     g = torch.Generator().manual_seed(seed + 2)
     prompts = torch.randn(10, text, config["joint_attention_dim"], generator=g)
-    pooled = torch.randn(10, config["pooled_projection_dim"], generator=g)
+    pooled = torch.randn(1, config["pooled_projection_dim"], generator=g).expand(10, -1)
     latents = images.expand(-1, config["in_channels"] // 4, -1, -1)  # (FLUX packs 2×2 patches of C channels)
     save_splits(directory, {"latents": latents, "prompt_embeds": prompts[labels],
                             "pooled_prompt_embeds": pooled[labels]}, seed)
@@ -162,11 +163,13 @@ class Miniature:
     latent_size: int = 0  # the joint miniature's latent side (its image tokens: half that on each axis)
 
 
-def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Miniature]:
-    """The two miniatures and their variants; `lm_heads`: the LM's query and key heads."""
+def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2), width: int | None = None,
+               layers: int | None = None) -> dict[str, Miniature]:
+    """The miniatures and their variants; `lm_heads`: the LM's query and key heads; `width` and `layers` in place of
+    the default sizes (256 and 6; `quick`: 64 and 2)."""
     from transformers import LlamaConfig
 
-    width, layers = (64, 2) if quick else (256, 6)
+    width, layers = width or (64 if quick else 256), layers or (2 if quick else 6)
     lm = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 3, num_hidden_layers=layers,
                      num_attention_heads=lm_heads[0], num_key_value_heads=lm_heads[1], max_position_embeddings=4096,
                      architectures=["LlamaForCausalLM"]).to_dict()
@@ -231,11 +234,21 @@ def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Min
         "full-no-exact": ("full MHLA, no exact region (the paper's form)",
                           {"ratio": 1.0, "options": {"exact_radius": None}}, True, {}),
     }
+    joint_variants = {
+        **dit_variants,
+        "linear": ("linear attention over the image, the text exact", {"ratio": 1.0, "attention": "linear"}, True, {}),
+        "full-text-summary": ("full MHLA, text read through its summary",
+                              {"ratio": 1.0, "options": {"text_exact": False}}, True, {}),
+        "linear-text-summary": ("plain linear attention, the text too",
+                                {"ratio": 1.0, "attention": "linear", "options": {"text_exact": False}}, True, {}),
+    }
     head = width // 4
     dual = max(1, layers // 3)
+    first = max(2, 2 * (head // 16))  # FLUX's split of the head into RoPE axes: 16, 56, 56 of 128
+    rope = (first, 2 * ((head - first) // 4))
     joint = dict(patch_size=1, in_channels=16, num_layers=dual, num_single_layers=layers - dual,
                  attention_head_dim=head, num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64,
-                 guidance_embeds=False, axes_dims_rope=(head // 4, 3 * head // 8, 3 * head // 8))
+                 guidance_embeds=False, axes_dims_rope=(*rope, head - sum(rope)))
     return {
         "lm": Miniature("llama", lm, base_steps=20 if quick else 2000, base_lr=1e-3, batch_size=8 if quick else 32,
                         finetune_lr=1e-4, conversion={"options": {"chunk_size": chunk}},
@@ -244,7 +257,7 @@ def miniatures(quick: bool, lm_heads: tuple[int, int] = (4, 2)) -> dict[str, Min
                          finetune_lr=5e-5, conversion={"blocks": "4x4"}, variants=dit_variants),
         "joint": Miniature("flux", joint, base_steps=20 if quick else 3000, base_lr=3e-4,
                            batch_size=16 if quick else 128, finetune_lr=5e-5, conversion={"blocks": "4x4"},
-                           variants=dit_variants, latent_size=16 if quick else 32),
+                           variants=joint_variants, latent_size=16 if quick else 32),
     }
 
 
@@ -514,11 +527,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kinds", default="lm,dit")
     parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
+    parser.add_argument("--width", type=int, help="the miniatures' width (default 256; --quick 64)")
+    parser.add_argument("--layers", type=int, help="the miniatures' layers (default 6; --quick 2)")
+    parser.add_argument("--batch-size", type=int, help="training batch size (default: per miniature)")
     add_training_arguments(parser)
     args = settle_training(parser.parse_args(argv))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kinds = args.kinds.split(",")
-    minis = {kind: mini for kind, mini in miniatures(args.quick, args.lm_heads).items() if kind in kinds}
+    minis = {kind: mini for kind, mini in miniatures(args.quick, args.lm_heads, args.width, args.layers).items()
+             if kind in kinds}
     chosen = None if args.variants is None else [v.strip() for v in args.variants.split(",")]
     known = set().union(*(m.variants for m in minis.values()))
     if chosen is not None and set(chosen) - known:
@@ -527,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     tic = time.perf_counter()
     for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
+        mini.batch_size = args.batch_size or mini.batch_size
         write_data(kind, mini, args.out, args)
     bases = _run_all([(train_base, kind, mini, args.out, args) for kind, mini in minis.items()], args.jobs)
     results = {}

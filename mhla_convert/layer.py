@@ -51,6 +51,9 @@ class MHLAConfig:
         token (ops.retrieval) while the other heads run MHLA: a linear summary cannot look a token up far back, these
         heads can. Costs their share of a full KV cache while decoding; () = none. The same heads in every layer,
         or {layer index: heads} (`for_layer` gives one layer's; `convert(retrieval_share=...)` picks them).
+    text_exact: joint text–image families (FLUX.1, Qwen-Image, HunyuanVideo) only: every query reads the text tokens
+        with the host's softmax kernel (True), or through one summary of the text, as a block of its own (False;
+        ops.joint; torch paths only).
     far_init: with an exact region, the initial mixing weight of what lies outside it, relative to the region's 1
         and shaped by `mixing_init` (mixing.region_mixing): 0 starts as the host's attention cut to the region;
         conversion with calibration data fits it per layer (calibrate.py).
@@ -68,6 +71,7 @@ class MHLAConfig:
     exact_chunks: int = 0
     exact_radius: int | tuple[int, ...] | None = None
     retrieval_heads: tuple[int, ...] | dict[int, tuple[int, ...]] = ()
+    text_exact: bool = True
     far_init: float = 0.0
     feature_map: str = "relu"
     normalize: bool = True
@@ -85,7 +89,7 @@ class MHLAConfig:
         mhla_config.json) refuses the same bad values with the same message, before any layer exists."""
         if self.blocks is not None:
             self.blocks = as_axes("blocks", self.blocks)
-        for name in ("causal", "learnable_mixing", "per_head_mixing", "output_norm"):
+        for name in ("causal", "learnable_mixing", "per_head_mixing", "output_norm", "text_exact"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         for name in ("chunk_size", "window"):
@@ -107,6 +111,9 @@ class MHLAConfig:
                 and 0 <= self.far_init < float("inf")):
             raise ValueError(f"far_init must be a finite number ≥ 0; got {self.far_init!r}")
         self.retrieval_heads = _retrieval_heads(self.retrieval_heads)
+        if not self.text_exact and self.causal:
+            raise ValueError("text_exact=False is for joint text-image models (FLUX.1, Qwen-Image, HunyuanVideo); "
+                             "drop it")
         if self.retrieval_heads and not self.causal:
             raise ValueError(f"retrieval_heads={self.to_dict()['retrieval_heads']} is for causal models (LMs); drop it")
         if self.exact_radius is not None:

@@ -153,6 +153,9 @@ def resolve_config(adapter, model, *, attention: str = "mhla", blocks=None, **mh
     defaults = adapter.default_options(model)
     check_mhla_options(mhla_options, causal=adapter.causal, defaults=defaults, family=adapter.name)
     options = {**defaults, **mhla_options}
+    if not options.get("text_exact", True) and not adapter.joint_text:
+        raise ValueError(f"text_exact=False is for joint text-image models (FLUX.1, Qwen-Image, HunyuanVideo), not "
+                         f"{adapter.name}; drop it")
     if attention == "local":
         options = _local_attention(adapter, options)
     if not adapter.causal:

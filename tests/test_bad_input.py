@@ -138,6 +138,9 @@ CONVERT_API = [
     ("tiny-llama", dict(exact_radius=1), "exact_radius=1 is for non-causal models; llama is causal"),
     ("tiny-dit", dict(exact_chunks=1), "exact_chunks=1 is for causal models (LMs); dit is not causal"),
     ("tiny-dit", dict(normalize=False), "exact_radius=1 (dit's default) needs normalize=true"),
+    ("tiny-dit", dict(text_exact=False), "text_exact=False is for joint text-image models (FLUX.1, Qwen-Image, "
+                                         "HunyuanVideo), not dit; drop it"),
+    ("tiny-llama", dict(text_exact=False), "text_exact=False is for joint text-image models"),
 ]
 
 

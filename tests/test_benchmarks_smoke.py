@@ -275,16 +275,24 @@ def test_exact_blocks_tiles_sweeps_the_settings_in_use(load):
 
 
 def test_fidelity_quick_joint_miniature(load, tmp_path):
-    """`--kinds joint`: the MM-DiT miniature (text tokens carrying the class beside the image tokens) through every
-    variant, each region-sharing one beside its truncation and the others without one."""
-    load("fidelity").main(["--quick", "--kinds", "joint", "--out", str(tmp_path)])
+    """`--kinds joint`: the MM-DiT miniature (text tokens carrying the class beside the image tokens, the pooled
+    embedding the same for every class) through every variant, each region-sharing one beside its truncation and the
+    others without one; --width and --batch-size size it."""
+    load("fidelity").main(["--quick", "--kinds", "joint", "--width", "32", "--batch-size", "8", "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "fidelity_summary.json").read_text())["joint"]
     variants = summary["variants"]
     assert summary["tokens"] == 64 and {"full", "local", "linear", "softmax", "full-distill", "full-own-block",
-                                        "full-no-exact", "hybrid-auto"} == set(variants)
-    assert variants["full"]["truncation"] == variants["full-distill"]["truncation"] == variants["local"]["step0"]
+                                        "full-no-exact", "hybrid-auto", "full-text-summary",
+                                        "linear-text-summary"} == set(variants)
+    assert (variants["full"]["truncation"] == variants["full-distill"]["truncation"]
+            == variants["full-text-summary"]["truncation"] == variants["local"]["step0"])
     assert variants["full-no-exact"]["truncation"] is variants["full-own-block"]["truncation"] is None
     assert all(isinstance(row["final"], float) for row in variants.values())
+    train = load_file(str(tmp_path / "joint" / "data" / "train.safetensors"))
+    assert (train["pooled_prompt_embeds"] == train["pooled_prompt_embeds"][:1]).all()
+    assert len(train["prompt_embeds"].flatten(1).unique(dim=0)) > 1
+    config = json.loads((tmp_path / "joint" / "base" / "best" / "config.json").read_text())
+    assert config["attention_head_dim"] == 8
 
 
 @pytest.mark.parametrize("kind", ["lm", "dit"])

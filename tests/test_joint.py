@@ -30,13 +30,15 @@ CASES = [  # (batch, text, odd grid, blocks, exact_radius, kv_heads, per_head)
 
 @pytest.mark.parametrize("batch, text, grid, blocks, radius, kv_heads, per_head", CASES)
 @pytest.mark.parametrize("masked", [False, True])
-def test_joint_matches_reference_with_gradients(batch, text, grid, blocks, radius, kv_heads, per_head, masked):
+@pytest.mark.parametrize("text_exact", [True, False])
+def test_joint_matches_reference_with_gradients(batch, text, grid, blocks, radius, kv_heads, per_head, masked,
+                                                text_exact):
     q, k, v, mixing = _inputs(batch, text, grid, kv_heads=kv_heads, blocks=blocks, per_head=per_head)
     mask = None
     if masked:  # padded text keys, at least one real token per row
         lengths = torch.randint(1, text + 1, (batch, 1), generator=torch.Generator().manual_seed(1))
         mask = torch.arange(text)[None] < lengths
-    options = dict(text=text, grid=grid, blocks=blocks, exact_radius=radius, text_mask=mask)
+    options = dict(text=text, grid=grid, blocks=blocks, exact_radius=radius, text_mask=mask, text_exact=text_exact)
     tensors = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
     copies = [t.clone().requires_grad_() for t in (q, k, v, mixing)]
     out = joint_attention(*tensors, **options)
@@ -75,14 +77,17 @@ def test_bad_inputs_are_refused():
         joint_attention(q, k, v, mixing, text=3, grid=(4, 3), blocks=(2, 3))
     with pytest.raises(ValueError, match="text_mask"):
         joint_attention(q, k, v, mixing, text=3, grid=(4, 4), blocks=(2, 3), text_mask=torch.ones(1, 2).bool())
+    q, k, v, mixing = _inputs(1, 3, (4, 6))
+    with pytest.raises(ValueError, match="text_exact must be true or false"):
+        joint_attention(q, k, v, mixing, text=3, grid=(4, 6), blocks=(2, 3), text_exact="no")
 
 
-@pytest.mark.parametrize("radius", [1, None])
-def test_compiled_joint_attention_equals_eager_with_gradients(radius):
+@pytest.mark.parametrize("radius, text_exact", [(1, True), (None, True), (1, False)])
+def test_compiled_joint_attention_equals_eager_with_gradients(radius, text_exact):
     """Under torch.compile the operator is one custom op (no graph break), whose backward recomputes the torch path."""
     q, k, v, mixing = _inputs(2, 3, (5, 6), kv_heads=2, per_head=True)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    options = dict(text=3, grid=(5, 6), blocks=(2, 3), exact_radius=radius, text_mask=mask)
+    options = dict(text=3, grid=(5, 6), blocks=(2, 3), exact_radius=radius, text_mask=mask, text_exact=text_exact)
 
     def run(fn):
         tensors = [t.clone().requires_grad_() for t in (q, k, v, mixing)]

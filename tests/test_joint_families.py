@@ -6,6 +6,7 @@ it cannot place on one grid."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -149,3 +150,22 @@ def test_an_attention_with_another_processor_is_refused_before_anything_changes(
                        match=f"uses OtherProcessor; an MHLA layer reproduces {expected} only"):
         mhla_convert.convert(model, ratio=1.0, blocks=blocks)
     assert not mhla_convert.mhla_layers(model)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_text_through_its_summary_converts_and_reloads(tiny, run_model, tmp_path, name):
+    """text_exact=False (the design the default is measured against) changes what every query reads of the text,
+    keeps the (M + 1, M + 1) mixing, and reloads bitwise."""
+    family, blocks, grid = CASES[name]
+    exact, summary = tiny(name), tiny(name)
+    mhla_convert.convert(exact, ratio=1.0, blocks=blocks)
+    mhla_convert.convert(summary, ratio=1.0, blocks=blocks, text_exact=False)
+    layers = [layer for _, layer in mhla_convert.mhla_layers(summary)]
+    assert layers and all(not layer.config.text_exact and layer.mixing.shape[-1] == math.prod(blocks) + 1
+                          for layer in layers)
+    torch.manual_seed(0)
+    inputs = adapter_for_family(family).example_inputs(summary, grid, 2)
+    out = run_model(summary, inputs)
+    assert torch.isfinite(out).all() and not torch.allclose(out, run_model(exact, inputs))
+    reloaded = mhla_convert.from_pretrained(mhla_convert.save_pretrained(summary, tmp_path / "ckpt"))
+    assert torch.equal(run_model(reloaded, inputs), out)

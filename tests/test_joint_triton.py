@@ -70,7 +70,8 @@ def test_flux_sized_bf16():
 
 @run
 def test_auto_keeps_the_torch_path_for_training_and_without_a_region():
-    """Gradients and layers without an exact region run the torch path; backend="triton" names why it cannot."""
+    """Gradients, layers without an exact region and text read through its summary run the torch path;
+    backend="triton" names why it cannot."""
     tensors, options = _inputs(CASES["2d-batch"])
     grads = [t.clone().requires_grad_() for t in tensors]
     layout = BlockLayout.create(options["grid"], options["blocks"])
@@ -84,3 +85,6 @@ def test_auto_keeps_the_torch_path_for_training_and_without_a_region():
         joint_attention(*grads, backend="triton", **options)
     with pytest.raises(ValueError, match="without an exact region"):
         joint_attention(*tensors, backend="triton", **{**options, "exact_radius": None})
+    assert not joint_triton.supports(*tensors, layout, text=5, exact_radius=(1, 1), phi=torch.relu, text_exact=False)
+    with pytest.raises(ValueError, match="text_exact=False"):
+        joint_attention(*tensors, backend="triton", **{**options, "text_exact": False})

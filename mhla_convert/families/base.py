@@ -76,7 +76,7 @@ class FamilyAdapter:
     swap it for MHLA, how to build its models, and how to train and sample it.
 
     A new family is one file in this package: a subclass decorated with `@register`. It sets the
-    class attributes `name`, `library` and `model_classes` (optional: `aliases`, `causal`) and
+    class attributes `name`, `library` and `model_classes` (optional: `aliases`, `causal`, `joint_text`) and
     overrides (diffusers transformers get most of these from `DiffusersAdapter`):
 
     required, to convert and save: `attention_modules`, `default_blocks`, `convert_layer`,
@@ -97,6 +97,7 @@ class FamilyAdapter:
     model_classes: ClassVar[tuple[str, ...]]  # class names this adapter converts
     aliases: ClassVar[dict[str, str]] = {}  # CLI alias -> hub id
     causal: ClassVar[bool] = False
+    joint_text: ClassVar[bool] = False  # MM-DiT: text tokens attend with the image's (option text_exact applies)
     sample_kind: ClassVar[str] = "image"  # what `sample` returns: "image", "video" or "text"
 
     def _missing(self, hook: str) -> NotImplementedError:

@@ -106,7 +106,7 @@ class JointMHLA(DiffusersMHLA):
         cfg = self.config
         return joint_attention(q, k, v, mixing, text=text, grid=grid, blocks=blocks, exact_radius=cfg.exact_radius,
                                feature_map=self.phi, scale=cfg.scale, eps=cfg.eps, text_mask=text_mask,
-                               backend=cfg.backend)
+                               text_exact=cfg.text_exact, backend=cfg.backend)
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
                 **kwargs):
@@ -153,6 +153,7 @@ class FluxAdapter(DiffusersAdapter):
     native_blocks = (8, 8)
     exact_radius = 1  # the own block and its 8 neighbours: 576 of 4096 image tokens at 1024², plus the text
     pipeline_class = "FluxPipeline"
+    joint_text = True
     flow_shift = 3.0
     max_prompt_length = 512
     layer_class: ClassVar[type[JointMHLA]] = JointMHLA  # what replaces each joint attention

@@ -77,6 +77,7 @@ class QwenImageAdapter(DiffusersAdapter):
     native_blocks = (8, 8)
     exact_radius = 1  # the own block and its 8 neighbours, plus the text
     pipeline_class = "QwenImagePipeline"
+    joint_text = True
     # the shift QwenImagePipeline's exponential dynamic shifting gives 1328² (exp(mu), mu ≈ 0.83)
     flow_shift = 2.3
     max_prompt_length = 512  # QwenImagePipeline's default max_sequence_length

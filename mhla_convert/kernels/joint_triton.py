@@ -30,10 +30,13 @@ from ..ops.joint import real_text, text_rows
 from . import exact_blocks_triton
 
 
-def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, text, exact_radius, phi, text_mask=None) -> str | None:
+def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, text, exact_radius, phi, text_mask=None,
+                       text_exact=True) -> str | None:
     """Why these inputs need the torch path, or None when this path takes them."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing)):
         return "inputs that need gradients (the Triton path is for inference)"
+    if not text_exact:
+        return "text read through its summary (text_exact=False)"
     if exact_radius is None:
         return "a joint layer without an exact region (exact_radius=None)"
     if text_mask is not None and text_mask.device != q.device:
@@ -43,10 +46,10 @@ def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, text, exact_radi
                                                   exact_radius=exact_radius, phi=phi)
 
 
-def supports(q, k, v, mixing, layout, *, text, exact_radius, phi, text_mask=None) -> bool:
+def supports(q, k, v, mixing, layout, *, text, exact_radius, phi, text_mask=None, text_exact=True) -> bool:
     """For backend "auto": CUDA inputs this path takes (the interpreter is only for backend="triton")."""
     return q.is_cuda and unsupported_reason(q, k, v, mixing, layout, text=text, exact_radius=exact_radius, phi=phi,
-                                            text_mask=text_mask) is None
+                                            text_mask=text_mask, text_exact=text_exact) is None
 
 
 def _text_reads(qi, kt, vt, to_text, real):
@@ -64,10 +67,10 @@ def _text_reads(qi, kt, vt, to_text, real):
 
 
 def joint_attention_triton(q, k, v, mixing, layout: BlockLayout, *, text, exact_radius, phi, scale, eps,
-                           text_mask=None) -> torch.Tensor:
+                           text_mask=None, text_exact=True) -> torch.Tensor:
     """The Triton inference path (same contract as `ops.joint.joint_attention_torch`)."""
     reason = unsupported_reason(q, k, v, mixing, layout, text=text, exact_radius=exact_radius, phi=phi,
-                                text_mask=text_mask)
+                                text_mask=text_mask, text_exact=text_exact)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
     batch, _, heads, _ = q.shape

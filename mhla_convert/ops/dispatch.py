@@ -19,7 +19,7 @@ Operators and their implementation signatures:
   `ops.exact_blocks.mhla_attention_exact_blocks_torch`; supports(q, k, v, mixing, layout, *, exact_radius, phi,
   key_mask); an optional backward as "exact"'s, with exact_radius for exact_chunks;
 - "joint" (joint text–image attention of MM-DiT families): `ops.joint.joint_attention_torch`; supports(q, k, v,
-  mixing, layout, *, text, exact_radius, phi, text_mask);
+  mixing, layout, *, text, exact_radius, phi, text_mask, text_exact);
 - "decode" (a causal layer's decoding step on its `DecodeState`, in place): `ops.recurrent.DecodeState.step_torch`;
   supports(state, q, k, v, relative, *, phi);
 - "prompt" (a causal layer's `DecodeState` started afresh from a prompt, in place):

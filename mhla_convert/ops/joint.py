@@ -14,7 +14,10 @@ each query block's neighbourhood exactly). The text tokens are one more block, i
     o_t = Σ_s w_ts v_s / (Σ_s w_ts + eps)
 
 so each row, text or image, is one normalised distribution over all L + N keys: the mixing learns how much the text,
-the neighbourhood and the summaries count against each other. Text queries read the image through the summaries
+the neighbourhood and the summaries count against each other. With `text_exact=False` the text keys are read like the
+image blocks outside the region instead: through one more summary (block M), w_ts = m_iM · scale·φ(q_t)·φ(k_s) for
+every query — plain MHLA over the concatenation with the text as a block of its own, the design the default is
+measured against (benchmarks/fidelity.py, `--kinds joint`). Text queries read the image through the summaries
 mixed by row M (one query block of their own); `text_mask` (B, L) bool drops padded text keys. Cost:
 O((L + N)·d² + M²·d² + N·(K·T + L)·d + L²·d) for K neighbourhood blocks of T tokens.
 
@@ -53,27 +56,31 @@ def check_joint_inputs(q, k, v, mixing, *, text: int, grid, blocks, text_mask=No
 def joint_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mixing: torch.Tensor, *, text: int, grid, blocks,
     exact_radius=None, feature_map: FeatureMap = "relu", scale: float | None = None, eps: float = 1e-6,
-    text_mask: torch.Tensor | None = None, backend: str = "auto",
+    text_mask: torch.Tensor | None = None, text_exact: bool = True, backend: str = "auto",
 ) -> torch.Tensor:
     """Joint MHLA (module doc). q, k, v: (B, L + N, H, D) / (B, L + N, H_kv, D) / (B, L + N, H_kv, D_v), the `text`
     = L text tokens first, then the N image tokens of `grid` in row-major order; mixing (M + 1, M + 1) or
     (H, M + 1, M + 1), M = prod(blocks), index M the text; exact_radius as `mhla_attention`'s (None: the image keys
-    only through summaries); text_mask (B, L) bool, False for padding. → (B, L + N, H, D_v) in q's dtype.
+    only through summaries); text_mask (B, L) bool, False for padding; text_exact False: the text keys through
+    their summary (module doc). → (B, L + N, H, D_v) in q's dtype.
 
     `backend` as `mhla_attention`'s (op "joint" of `ops.dispatch`): "auto" takes the Triton inference path
     (`kernels.joint_triton`) for CUDA inputs it supports when no gradient is needed, the torch path otherwise."""
     layout = check_joint_inputs(q, k, v, mixing, text=text, grid=grid, blocks=blocks, text_mask=text_mask)
     check_options(feature_map=feature_map, normalize=True, scale=scale, eps=eps, backend=backend)
+    if not isinstance(text_exact, bool):
+        raise ValueError(f"text_exact must be true or false; got {text_exact!r}")
     phi = resolve_feature_map(feature_map)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     radius = None if exact_radius is None else exact_radius_axes(exact_radius, len(layout.grid))
     if torch.compiler.is_compiling() and isinstance(feature_map, str):
         return joint_attention_op(q, k, v, mixing, text_mask, layout.grid, layout.blocks, layout.block_size, text,
-                                  [] if radius is None else list(radius), feature_map, scale, eps, backend)
+                                  [] if radius is None else list(radius), feature_map, scale, eps, text_exact,
+                                  backend)
     impl = select("joint", backend, joint_attention_torch, q, k, v, mixing, layout, text=text, exact_radius=radius,
-                  phi=phi, text_mask=text_mask)
+                  phi=phi, text_mask=text_mask, text_exact=text_exact)
     return impl(q, k, v, mixing, layout, text=text, exact_radius=radius, phi=phi, scale=scale, eps=eps,
-                text_mask=text_mask)
+                text_mask=text_mask, text_exact=text_exact)
 
 
 def text_window(x: torch.Tensor) -> torch.Tensor:
@@ -87,13 +94,22 @@ def real_text(text_mask: torch.Tensor | None, batch: int, text: int, device) -> 
     return real[:, None, None, None, None]
 
 
+def text_summary(kt, vt, text_mask, phi) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text keys as one block summary (`block_summaries`), padded keys left out: (B, H_kv, 1, D, Dv), (…, D)."""
+    kf = phi(kt) if text_mask is None else phi(kt) * text_mask[:, :, None, None]
+    return block_summaries(kf.permute(0, 2, 1, 3).unsqueeze(2), vt.permute(0, 2, 1, 3).unsqueeze(2))
+
+
 def text_rows(qt, kt, vt, s, z, mix, real, *, phi, scale, eps) -> torch.Tensor:
     """The text queries' outputs (B, L, H, Dv): one query block of their own, row M of the grouped mixing `mix`,
-    reading the image through its block summaries s, z (`block_summaries`) and the text keys exactly."""
+    reading the summaries s, z (`block_summaries`): the image's M blocks, and the text keys exactly; or M + 1 blocks,
+    the last the text's (`text_summary`), and nothing exactly."""
     batch, text, heads, _ = qt.shape
-    kv_heads, groups, m = kt.shape[2], heads // kt.shape[2], s.shape[2]
+    kv_heads, groups, m = kt.shape[2], heads // kt.shape[2], mix.shape[-1] - 1
     qtf = (phi(qt) * scale).permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
-    num, den = far_reads(qtf, s, z, mix[..., m:, :m])
+    num, den = far_reads(qtf, s, z, mix[..., m:, :s.shape[2]])
+    if s.shape[2] > m:
+        return (num / (den + eps)).reshape(batch, heads, text, -1).transpose(1, 2)
     qtr = qt.permute(0, 2, 1, 3).reshape(batch, kv_heads, groups, 1, text, -1)
     self_text = mix[..., m:, m:, None]  # (·, ·, 1, 1, 1)
     out = read_window(num, den, qtr, text_window(kt), text_window(vt), self_text, real & (self_text > 0), eps=eps)
@@ -101,7 +117,7 @@ def text_rows(qt, kt, vt, s, z, mix, real, *, phi, scale, eps) -> torch.Tensor:
 
 
 def joint_attention_torch(q, k, v, mixing, layout: BlockLayout, *, text: int, exact_radius, phi, scale, eps,
-                          text_mask=None) -> torch.Tensor:
+                          text_mask=None, text_exact: bool = True) -> torch.Tensor:
     """The torch path of `joint_attention` (checked inputs, `exact_radius` one per grid axis or None)."""
     batch, _, heads, _ = q.shape
     kv_heads, groups, dv = k.shape[2], heads // k.shape[2], v.shape[-1]
@@ -113,21 +129,27 @@ def joint_attention_torch(q, k, v, mixing, layout: BlockLayout, *, text: int, ex
     kw, vw = text_window(kt), text_window(vt)
     real = real_text(text_mask, batch, text, q.device)
 
-    # image keys: block summaries; the image queries' reads of them, then of their neighbourhood and the text
+    # image keys (and the text's, when it is not read exactly): block summaries; the image queries' reads of them,
+    # then of their neighbourhood and the text
     s, z = block_summaries(layout.to_blocks(phi(ki)), vb := layout.to_blocks(vi))
-    image_mix = mix[..., :m, :m]
-    far = image_mix if exact_radius is None else image_mix.masked_fill(exact_mask(layout.blocks, exact_radius,
-                                                                                  q.device), 0.0)
+    if not text_exact:
+        st, zt = text_summary(kt, vt, text_mask, phi)
+        s, z = torch.cat([s, st], 2), torch.cat([z, zt], 2)
+    image_mix, far = mix[..., :m, :m], mix[..., :m, :s.shape[2]]
+    if exact_radius is not None:
+        region = exact_mask(layout.blocks, exact_radius, q.device)
+        far = far.masked_fill(torch.nn.functional.pad(region, (0, s.shape[2] - m)), 0.0)
     qf = layout.to_blocks(phi(qi) * scale).view(batch, kv_heads, groups, m, t, -1)
     num, den = far_reads(qf, s, z, far)
     to_text = mix[..., :m, m:, None].expand(*mix.shape[:-2], m, 1, text)  # (·, ·, M, 1, L)
-    allowed = real & (to_text > 0)
-    if exact_radius is None:
+    extra = (kw, vw, to_text, real & (to_text > 0)) if text_exact else None
+    if exact_radius is not None:
+        image_out = near_read(num, den, qi, ki, vb, image_mix, layout, exact_radius, real=None, eps=eps, extra=extra)
+    elif text_exact:
         qr = layout.to_blocks(qi).view(batch, kv_heads, groups, m, t, -1)
-        image_out = read_window(num, den, qr, kw, vw, to_text, allowed, eps=eps)
+        image_out = read_window(num, den, qr, *extra, eps=eps)
     else:
-        image_out = near_read(num, den, qi, ki, vb, image_mix, layout, exact_radius, real=None, eps=eps,
-                              extra=(kw, vw, to_text, allowed))
+        image_out = num / (den + eps)
     image_out = layout.from_blocks(image_out.reshape(batch, heads, m, t, dv))  # (B, N, H, Dv)
     text_out = text_rows(qt, kt, vt, s, z, mix, real, phi=phi, scale=scale, eps=eps)
     return torch.cat([text_out, image_out], 1).to(dtype)
@@ -135,25 +157,26 @@ def joint_attention_torch(q, k, v, mixing, layout: BlockLayout, *, text: int, ex
 
 # --- as one PyTorch custom op under torch.compile (as `ops.exact_op`) -----------------------------------------------
 _ARGS = ("SymInt[] grid, SymInt[] blocks, SymInt[] block_size, int text, int[] exact, str feature_map, float scale, "
-         "float eps, str backend")
+         "float eps, bool text_exact, str backend")
 
 
-def _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps) -> tuple[BlockLayout, dict]:
+def _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps,
+             text_exact) -> tuple[BlockLayout, dict]:
     """The op's arguments as (layout, the implementations' keywords); `exact` empty: no exact region."""
     layout = BlockLayout(tuple(grid), tuple(blocks), tuple(block_size))
     return layout, dict(text=text, exact_radius=tuple(exact) or None, phi=FEATURE_MAPS[feature_map], scale=scale,
-                        eps=eps, text_mask=text_mask)
+                        eps=eps, text_mask=text_mask, text_exact=text_exact)
 
 
 @torch.library.custom_op("mhla_convert::joint_attention", mutates_args=(),
                          schema=f"(Tensor q, Tensor k, Tensor v, Tensor mixing, Tensor? text_mask, {_ARGS}) -> Tensor")
 def joint_attention_op(q, k, v, mixing, text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps,
-                       backend):
+                       text_exact, backend):
     """`joint_attention` on checked inputs: the layout as (grid, blocks, block_size) of a `BlockLayout`, the feature
     map by name. Output (B, L + N, H, D_v), contiguous, in q's dtype."""
-    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps)
+    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps, text_exact)
     impl = select("joint", backend, joint_attention_torch, q, k, v, mixing, layout, text=text,
-                  exact_radius=options["exact_radius"], phi=options["phi"], text_mask=text_mask)
+                  exact_radius=options["exact_radius"], phi=options["phi"], text_mask=text_mask, text_exact=text_exact)
     return impl(q, k, v, mixing, layout, **options).contiguous()
 
 
@@ -163,10 +186,10 @@ def joint_attention_op(q, k, v, mixing, text_mask, grid, blocks, block_size, tex
            "-> (Tensor, Tensor, Tensor, Tensor)",
 )
 def joint_attention_backward_op(grad, q, k, v, mixing, text_mask, needs_grad, grid, blocks, block_size, text, exact,
-                                feature_map, scale, eps, backend):
+                                feature_map, scale, eps, text_exact, backend):
     """(dq, dk, dv, dmixing) of `joint_attention_op`: the torch path again under `torch.func.vjp` (the Triton path
     is for inference only)."""
-    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps)
+    layout, options = _options(text_mask, grid, blocks, block_size, text, exact, feature_map, scale, eps, text_exact)
     return grads_by_recompute(lambda *xs: (joint_attention_torch(*xs, layout, **options),), (q, k, v, mixing),
                               (grad,), needs_grad)
 

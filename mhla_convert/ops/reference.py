@@ -59,11 +59,12 @@ def mhla_attention_reference(
 
 def joint_attention_reference(
     q, k, v, mixing, *, text, grid, blocks, exact_radius=None, feature_map: FeatureMap = "relu", scale=None, eps=1e-6,
-    text_mask=None,
+    text_mask=None, text_exact=True,
 ) -> torch.Tensor:
     """`ops.joint.joint_attention` from its definition: the explicit (B, H, L + N, L + N) weights — image–image from
-    `mhla_weights_reference` with mixing[:M, :M], the softmax kernel on every text key, φ(q)·φ(k) from text queries to
-    image keys — each times its blocks' mixing weight (the text: index M), padded text keys 0, rows normalised."""
+    `mhla_weights_reference` with mixing[:M, :M], the softmax kernel on every text key (`text_exact` False: φ(q)·φ(k)),
+    φ(q)·φ(k) from text queries to image keys — each times its blocks' mixing weight (the text: index M), padded text
+    keys 0, rows normalised."""
     phi = resolve_feature_map(feature_map)
     acc = torch.promote_types(q.dtype, torch.float32)
     heads, n, m = q.shape[2], q.shape[1], mixing.shape[-1] - 1
@@ -79,8 +80,11 @@ def joint_attention_reference(
                      check_inputs(q[:, text:], k[:, text:], k[:, text:], per_head[:, :m, :m], grid=grid,
                                   blocks=blocks, causal=False).block_ids(device=q.device)])
     weights = per_head[:, ids][:, :, ids]  # (H, L + N, L + N)
-    exact = torch.einsum("bthd,bshd->bhts", q, k[:, :text]).mul(q.shape[-1] ** -0.5).exp()
-    w[..., :text] = exact * weights[:, :, :text]
+    if text_exact:
+        to_text = torch.einsum("bthd,bshd->bhts", q, k[:, :text]).mul(q.shape[-1] ** -0.5).exp()
+    else:
+        to_text = torch.einsum("bthd,bshd->bhts", phi(q) * scale, phi(k[:, :text]))
+    w[..., :text] = to_text * weights[:, :, :text]
     w[..., :text, text:] = (torch.einsum("bthd,bshd->bhts", phi(q[:, :text]) * scale, phi(k[:, text:]))
                             * weights[:, :text, text:])
     if text_mask is not None:
