@@ -9,8 +9,9 @@ of the original), then converted and fine-tuned with recipes:
   16×16 pixels, so 256 tokens in 4×4 blocks of 4×4 tokens; every tenth image is held out.
 - **joint** (`--kinds joint`, not run by default): a FLUX-style MM-DiT (2 dual-stream and 4 single-stream blocks,
   256 wide) on the same digits at 32×32 latents in FLUX's 2×2 packing, so 256 image tokens in 4×4 blocks beside 8
-  text tokens that carry the class (a fixed random embedding per class, and a pooled one): joint text–image
-  attention, as FLUX.1 and Qwen-Image convert.
+  text tokens that carry the class (a fixed random embedding per class; the pooled embedding is the same for every
+  class, so the class reaches the image only through joint attention): joint text–image attention, as FLUX.1 and
+  Qwen-Image convert, with the text read exactly (the default) or through its summary (`text_exact: false`).
 
 Every variant runs the same budget: attention transfer, then fine-tuning of all weights (the original fine-tuned
 alike takes the transfer's steps as fine-tuning), with the held-out loss (fixed batches, fixed noise) at step 0,
@@ -29,6 +30,8 @@ earlier (outside the exact region).
 
     python benchmarks/fidelity.py --out out/fidelity --jobs 8           # both, GPU: a few minutes
     python benchmarks/fidelity.py --out out/fidelity --kinds lm --quick   # CPU smoke run
+    python benchmarks/fidelity.py --out out/joint --kinds joint --width 64 --layers 3 --batch-size 32 \
+        --base-steps 2000 --jobs 2                                       # the joint miniature, CPU-sized: ~40 min
 
 Writes fidelity.json (every curve), fidelity.md (the tables), fidelity.png (the curves) and fidelity_summary.json
 (the gaps at step 0, after transfer and at the end, the truncation beside them, the recall) to --out. `--jobs N`
