@@ -111,9 +111,6 @@ class MHLAConfig:
                 and 0 <= self.far_init < float("inf")):
             raise ValueError(f"far_init must be a finite number ≥ 0; got {self.far_init!r}")
         self.retrieval_heads = _retrieval_heads(self.retrieval_heads)
-        if not self.text_exact and self.causal:
-            raise ValueError("text_exact=False is for joint text-image models (FLUX.1, Qwen-Image, HunyuanVideo); "
-                             "drop it")
         if self.retrieval_heads and not self.causal:
             raise ValueError(f"retrieval_heads={self.to_dict()['retrieval_heads']} is for causal models (LMs); drop it")
         if self.exact_radius is not None:
