@@ -13,8 +13,8 @@ MHLA with the library's own `convert` (all layers, and for Wan the 2/3 hybrid th
 
     python benchmarks/wan_forward.py [--model wan|wan2.2-ti2v|sana|dit|flux|hunyuanvideo|qwen-image|wan-layer]
         [--backend auto|torch|triton]
-        [--compile]
-        [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p]
+        [--compile [--regional]]
+        [--mode default|reduce-overhead] [--kernels N] [--resolution 480p|720p] [--repeats N]
 
 --model wan-layer times one Wan self-attention module at 31,500 tokens piece by piece
 (projections, q/k RMSNorm + RoPE, the attention op): where a layer's time goes.
@@ -28,6 +28,13 @@ graphs: it matters where a forward is bound by the host's launches (SANA at 1024
 forwards of tens of milliseconds and more. "max-autotune" spends minutes autotuning GEMMs cuBLAS already runs
 well. Each shape compiles once, statically, in the warm-up (never timed); the table then shows every
 variant eager and compiled, its speed-up over the original in the same mode, and compiled over eager.
+
+--regional compiles each repeated block instead (`model.compile_repeated_blocks(fullgraph=True)`: diffusers'
+regional compilation, which its guides give for large transformers; the compiled blocks are the model's own, so each
+model is timed eager first). FLUX needs it: its forward reads the token grid from `img_ids` on the host, which a
+whole-model fullgraph trace cannot.
+
+--repeats N times N forwards after 2 warm-ups (default 7; fewer for forwards of many seconds, HunyuanVideo's).
 
 --kernels N then profiles 3 forwards of every variant in each mode (torch.profiler) and prints its N kernels with
 the most GPU time per forward, and its total kernel time: where a whole model's time goes, and how much of it the
@@ -86,6 +93,8 @@ class Setup:
     mode: str = "default"
     tiny: bool = False
     kernels: int = 0
+    regional: bool = False
+    repeats: int = 7
     resolution: str = "480p"
     ti2v: bool = False  # the Wan2.2-TI2V-5B shape
 
@@ -107,7 +116,8 @@ class Setup:
         return torch.randn(*shape, device=self.device, dtype=self.dtype)
 
 
-def _time(fn, setup: Setup, warmup=2, reps=7) -> float:
+def _time(fn, setup: Setup, warmup=2) -> float:
+    reps = setup.repeats
     if setup.tiny:
         warmup, reps = 1, 1
     for _ in range(warmup):
@@ -129,10 +139,25 @@ def _time(fn, setup: Setup, warmup=2, reps=7) -> float:
 
 
 def _compiled(model, setup: Setup):
-    """`model` under torch.compile as a diffusers user compiles a transformer (see the module docstring); a
-    wrapper, so the eager model stays as it is."""
+    """`model` under torch.compile as a diffusers user compiles a transformer (see the module docstring): a
+    wrapper, so the eager model stays as it is; with --regional the model itself, its repeated blocks compiled."""
     how = {"backend": "aot_eager"} if setup.tiny else {"mode": setup.mode}
+    if setup.regional:
+        model.compile_repeated_blocks(fullgraph=True, dynamic=False, **how)
+        return model
     return torch.compile(model, fullgraph=True, dynamic=False, **how)
+
+
+def _compiled_call(model, call, setup: Setup):
+    """call(model) under torch.compile, compiled on its first call (the warm-up, after the eager timings)."""
+    compiled = []
+
+    def fn():
+        if not compiled:
+            compiled.append(_compiled(model, setup))
+        return call(compiled[0])
+
+    return fn
 
 
 def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[str, float, float | str | None]]:
@@ -145,7 +170,7 @@ def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[st
     times the variants back to back and the drift falls on all of them alike."""
     fns = {(name, "eager"): (lambda m=m: call(m)) for name, m in models.items()}
     if setup.compile:
-        fns.update({(name, "compiled"): (lambda m=_compiled(m, setup): call(m)) for name, m in models.items()})
+        fns.update({(name, "compiled"): _compiled_call(m, call, setup) for name, m in models.items()})
     times, errors = {key: [] for key in fns}, {}
     with torch.no_grad():
         for _ in range(5 if alternate and not setup.tiny else 1):
@@ -163,6 +188,9 @@ def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[st
                     errors[key] = f"{type(e).__name__}: {first}"
     if setup.kernels:
         print(_kernel_profile({key: fn for key, fn in fns.items() if key not in errors}, setup), flush=True)
+    if setup.regional:  # the models' blocks eager again, for a later size's eager timings
+        for module in (sub for model in models.values() for sub in model.modules()):
+            module._compiled_call_impl = None  # (what nn.Module.compile sets)
     median = {key: statistics.median(t) for key, t in times.items() if t}
     return [(name, median[name, "eager"], errors.get((name, "compiled"), median.get((name, "compiled"))))
             for name in models]
@@ -398,7 +426,8 @@ def report(title: str, groups: list, setup: Setup) -> str:
     lines = [f"\n{date.today()} {device} {dtype} batch 1 — {title}"]
     if setup.compile:
         mode = "" if setup.mode == "default" else f", mode={setup.mode!r}"
-        lines[0] += f" — eager and torch.compile(fullgraph=True{mode})"
+        how = "compile_repeated_blocks" if setup.regional else "torch.compile"
+        lines[0] += f" — eager and {how}(fullgraph=True{mode})"
         lines += ["| variant | eager | speed-up | compiled | speed-up | compiled vs eager |", "|---" * 6 + "|"]
     for group in groups:
         _, base, base_compiled = group[0]
@@ -421,6 +450,9 @@ def main(argv=None) -> str:
     ap.add_argument("--compile", action="store_true", help="also time every model under torch.compile")
     ap.add_argument("--mode", default="default", choices=("default", "reduce-overhead"),
                     help="torch.compile's mode (with --compile)")
+    ap.add_argument("--regional", action="store_true",
+                    help="with --compile: compile each repeated block (diffusers' compile_repeated_blocks)")
+    ap.add_argument("--repeats", type=int, default=7, metavar="N", help="timed forwards per variant (default 7)")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile each variant and print its N kernels with the most time per forward")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run (wan, sana, dit)")
@@ -433,12 +465,18 @@ def main(argv=None) -> str:
         ap.error("--model wan-layer times one module's pieces on the GPU, without --compile, --kernels or --tiny")
     if args.resolution != "480p" and args.model == "wan2.2-ti2v":
         ap.error("--resolution is for --model wan (Wan2.1-1.3B); wan2.2-ti2v runs at its 720p, 121x704x1280")
+    if args.regional and (not args.compile or args.model in ("sana", "dit", "wan-layer")):
+        ap.error("--regional needs --compile and a model of repeated blocks timed in one round: wan, wan2.2-ti2v, "
+                 "flux, hunyuanvideo or qwen-image")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be a count ≥ 1; got {args.repeats}")
     if args.kernels < 0:
         ap.error(f"--kernels must be a count ≥ 0; got {args.kernels}")
     if not args.tiny and not torch.cuda.is_available():
         ap.error("the benchmark needs a CUDA GPU; --tiny runs tiny models on the CPU")
     setup = Setup(backend=args.backend, compile=args.compile, mode=args.mode, tiny=args.tiny, kernels=args.kernels,
-                  resolution=args.resolution, ti2v=args.model == "wan2.2-ti2v")
+                  resolution=args.resolution, ti2v=args.model == "wan2.2-ti2v", regional=args.regional,
+                  repeats=args.repeats)
     threads = torch.get_num_threads()
     if args.tiny:
         torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU

@@ -160,6 +160,22 @@ def test_wan_forward_tiny_dit_compiled(load):
     assert all(float(r[3].removesuffix(" ms")) > 0 for r in rows) and rows[0][4] == "1.00x"
 
 
+def test_wan_forward_tiny_flux_regional(load):
+    """FLUX, whose forward reads img_ids on the host, compiles block by block: each model eager, then compiled."""
+    text = load("wan_forward").main(["--tiny", "--model", "flux", "--compile", "--regional", "--repeats", "1"])
+    rows = _table(text)
+    assert "compile_repeated_blocks(fullgraph=True)" in text and len(rows) == 4
+    assert all(float(r[1].removesuffix(" ms")) > 0 and float(r[3].removesuffix(" ms")) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("args", [["--tiny", "--regional"], ["--tiny", "--model", "dit", "--compile", "--regional"],
+                                  ["--tiny", "--repeats", "0"]])
+def test_wan_forward_refuses_regional_and_repeats_it_cannot_run(load, args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load("wan_forward").main(args)
+    assert exit_.value.code == 2 and ("--regional needs" in (err := capsys.readouterr().err) or "--repeats" in err)
+
+
 def test_wan_forward_tiny_hunyuanvideo(load):
     """HunyuanVideo: original and every joint attention converted, over a 3x4x4 video token grid."""
     rows = _table(load("wan_forward").main(["--tiny", "--model", "hunyuanvideo"]))

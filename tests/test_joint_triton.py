@@ -19,6 +19,8 @@ CASES = {
     "2d-gqa-per-head-padded": (3, 3, (7, 5), (3, 2), 0, 2, True, True),
     "2d-per-axis-mqa-padded": (1, 6, (5, 5), (3, 3), (1, 0), 1, False, True),
     "3d-video": (2, 4, (3, 4, 6), (3, 2, 3), (1, 0, 1), 2, False, False),
+    # every block in every other's neighbourhood (no summaries made), and text longer than a key tile
+    "2d-all-near-long-text-padded": (2, 37, (4, 6), (2, 2), 1, 2, True, True),
 }
 
 

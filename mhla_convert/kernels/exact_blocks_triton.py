@@ -106,18 +106,37 @@ def _blocks_summaries_kernel(
 
 
 @triton.jit
+def _softmax_tile(q, kp, vp, s, kvalid, skn, svn, w, shift, den, acc, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+                  BD: tl.constexpr, BDV: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr):
+    """One key tile of the softmax read, flash-style: the keys at rows s (kvalid: real) of kp / vp, weighted by w;
+    → the running (shift, den, acc) with the tile in (scores in log2 units, shift at least 0 from its start)."""
+    d, e = tl.arange(0, BD), tl.arange(0, BDV)
+    kt = tl.load(kp + s[None, :] * skn + d[:, None], mask=kvalid[None, :] & (d < D)[:, None], other=0.0)  # (BD, BK)
+    scores = tl.dot(_operand(q, q.dtype, WIDEN), _operand(kt, kt.dtype, WIDEN), input_precision=DOT_PREC)
+    scores = tl.where(kvalid[None, :], scores * qk_scale, float("-inf"))
+    new = tl.maximum(shift, tl.max(scores, 1))
+    alpha = tl.exp2(shift - new)
+    p = tl.exp2(scores - new[:, None])
+    v = tl.load(vp + s[:, None] * svn + e[None, :], mask=kvalid[:, None] & (e < DV)[None, :], other=0.0)
+    pv = tl.dot(_operand(p, v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
+    return new, den * alpha + w * tl.sum(p, 1), acc * alpha[:, None] + w * pv
+
+
+@triton.jit
 def _blocks_forward_kernel(
     Q, K, V, KM, MIX, SF, O, sqb, sqn, sqh, skb, skn, skh, svb, svn, svh, smb, sob, son, soh, smh, sfb, sfh, sfj,
     M, GROUPS, FAR_GROUPS, qk_scale, scale, eps, L0, L1, L2, S0, S1: tl.constexpr, S2: tl.constexpr, NB0, NB1,
     NB2, T, TILES: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, FAR: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, LSE, slb, slh,
-    SAVE: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr,
+    SAVE: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr, XK, XV, XM, XW, sxkb, sxkn, sxkh, sxvb, sxvn,
+    sxvh, sxmb, sxwh, XL, EXTRA: tl.constexpr, XMASKED: tl.constexpr, XTILES: tl.constexpr,
 ):
     """Output rows of query tile `pid % TILES` of block i = pid // TILES (a block is TILES tiles of BT tokens), for
     query head h of batch b; each neighbour block's keys are read in KTILES tiles of BK tokens. qk_scale =
     log2(e)/√D: scores and the running maximum are in log2 units, so every exponential is an exp2. SAVE: also each
-    row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)), for the backward."""
+    row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)), for the backward. EXTRA: also the XL keys of
+    XK / XV (XMASKED: those of XM true), read exactly in XTILES tiles of BK at weight XW[h, i]."""
     h, pid, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i, qtile = pid // TILES, pid % TILES
     hk = h // GROUPS
@@ -145,18 +164,19 @@ def _blocks_forward_kernel(
                 s, kvalid = _rows(j, tile * BK + tl.arange(0, BK), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
                 if MASKED:
                     kvalid &= tl.load(KM + b * smb + s, mask=kvalid, other=0) != 0
-                kt = tl.load(kp + s[None, :] * skn + d[:, None], mask=kvalid[None, :] & (d < D)[:, None],
-                             other=0.0)  # (BD, BK)
-                scores = tl.dot(_operand(q, q.dtype, WIDEN), _operand(kt, kt.dtype, WIDEN), input_precision=DOT_PREC)
-                scores = tl.where(kvalid[None, :], scores * qk_scale, float("-inf"))
-                new = tl.maximum(shift, tl.max(scores, 1))
-                alpha = tl.exp2(shift - new)
-                p = tl.exp2(scores - new[:, None])
-                v = tl.load(vp + s[:, None] * svn + e[None, :], mask=kvalid[:, None] & (e < DV)[None, :], other=0.0)
-                den = den * alpha + w * tl.sum(p, 1)
-                pv = tl.dot(_operand(p, v.dtype, WIDEN), _operand(v, v.dtype, WIDEN), input_precision=DOT_PREC)
-                acc = acc * alpha[:, None] + w * pv
-                shift = new
+                shift, den, acc = _softmax_tile(q, kp, vp, s, kvalid, skn, svn, w, shift, den, acc, qk_scale, D, DV,
+                                                BD, BDV, DOT_PREC, WIDEN)
+    if EXTRA:  # keys every query of block i reads exactly at weight XW[h, i] (a joint model's text)
+        w = tl.load(XW + h * sxwh + i).to(tl.float32)
+        if w > 0:
+            xkp, xvp = XK + b * sxkb + hk * sxkh, XV + b * sxvb + hk * sxvh
+            for tile in range(XTILES):
+                s = tile * BK + tl.arange(0, BK)
+                kvalid = s < XL
+                if XMASKED:
+                    kvalid &= tl.load(XM + b * sxmb + s, mask=kvalid, other=0) != 0
+                shift, den, acc = _softmax_tile(q, xkp, xvp, s, kvalid, sxkn, sxvn, w, shift, den, acc, qk_scale, D,
+                                                DV, BD, BDV, DOT_PREC, WIDEN)
 
     decay = tl.exp2(-shift)  # exp(−shift) of the natural-log scores
     if FAR:  # the blocks outside the neighbourhood: the mixed summaries, row i of SF
@@ -402,10 +422,34 @@ def _summary_strides(x: torch.Tensor, per_head: bool) -> tuple[int, int, int]:
     return (x.stride(2), x.stride(0), x.stride(1)) if per_head else (x.stride(1), x.stride(2), x.stride(0))
 
 
-def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False):
+class ExtraKeys(NamedTuple):
+    """Keys every query reads exactly besides its neighbourhood (a joint model's text tokens), each query block at
+    its own weight."""
+
+    k: torch.Tensor  # (B, L, H_kv, D)
+    v: torch.Tensor  # (B, L, H_kv, Dv)
+    weight: torch.Tensor  # (H, M) per query head and block, or (1, M) shared; ≥ 0
+    mask: torch.Tensor | None  # (B, L) bool, False for padding; None: every key is real
+
+
+def _extra_arguments(extra: ExtraKeys | None, q, bk: int) -> dict:
+    """The forward kernel's EXTRA arguments (q: a pointer it never reads without them)."""
+    if extra is None:
+        return dict(XK=q, XV=q, XM=q, XW=q, sxkb=0, sxkn=0, sxkh=0, sxvb=0, sxvn=0, sxvh=0, sxmb=0, sxwh=0, XL=0,
+                    EXTRA=False, XMASKED=False, XTILES=0)
+    k, v, w = _row_major(extra.k), _row_major(extra.v), extra.weight.to(torch.float32).contiguous()
+    m = q if extra.mask is None else _row_major(extra.mask).view(torch.uint8)
+    return dict(XK=k, XV=v, XM=m, XW=w, sxkb=k.stride(0), sxkn=k.stride(1), sxkh=k.stride(2), sxvb=v.stride(0),
+                sxvn=v.stride(1), sxvh=v.stride(2), sxmb=0 if extra.mask is None else m.stride(0),
+                sxwh=w.stride(0) if w.shape[0] > 1 else 0, XL=k.shape[1], EXTRA=True,
+                XMASKED=extra.mask is not None, XTILES=_cdiv(k.shape[1], bk))
+
+
+def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False, extra: ExtraKeys | None = None):
     """The three launches of the module doc → output (B, N, H, Dv) in q's dtype; with `save`, what the backward
     reads too: (output, lse (B, H, N) float32, summaries S, their mixture S̃), S and S̃ None when no query reads
-    them, else 4-D buffers of `summary_rows` (S per kv head, S̃ per query head for a per-head mixing)."""
+    them, else 4-D buffers of `summary_rows` (S per kv head, S̃ per query head for a per-head mixing). `extra`:
+    further keys read exactly in the same softmax (inference only: the backward does not know them)."""
     layout = p.layout
     batch, n, heads, dim = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
@@ -448,7 +492,7 @@ def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False):
         o.stride(2), m * m if per_head else 0, *sf_strides, m, groups, far_groups, math.log2(math.e) * dim**-0.5,
         p.scale, p.eps, NB0=nb0, R0=radius[0], R1=radius[1], R2=radius[2], FAR=p.far, LSE=lse,
         slb=lse.stride(0) if save else 0, slh=lse.stride(1) if save else 0, SAVE=save, BK=bk, KTILES=_cdiv(t, bk),
-        **consts)
+        **_extra_arguments(extra, q, bk), **consts)
     if not save:
         return o
     return o, lse, s, sf
@@ -581,12 +625,18 @@ def mhla_attention_exact_blocks_triton(q, k, v, mixing, layout: BlockLayout, *, 
     return _forward(q, k, v, mixing, p, key_mask)
 
 
-def forward_with_normaliser(q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale, eps):
-    """Inference forward → (output (B, N, H, Dv) in q's dtype, each row's log2-normaliser (B, H, N) float32:
-    log2(den + eps), the row's whole weight before division), for a caller that merges this read with another
-    (`joint_triton`). Inputs must be ones `unsupported_reason` passes."""
-    o, lse, _, _ = _forward(q, k, v, mixing, _Problem(layout, tuple(exact_radius), phi, scale, eps), None, save=True)
-    return o, lse
+def forward_with_extra_keys(q, k, v, mixing, layout: BlockLayout, extra: ExtraKeys, *, exact_radius, phi, scale,
+                            eps):
+    """Inference forward with `extra` keys read exactly beside each neighbourhood (`joint_triton`'s text) →
+    (output (B, N, H, Dv) in q's dtype, the block summaries S and z (B, H_kv, M, D, Dv) and (B, H_kv, M, D), in
+    the summaries' dtype, or None when no query reads a summary). Inputs must be ones `unsupported_reason` passes."""
+    o, _, s, _ = _forward(q, k, v, mixing, _Problem(layout, tuple(exact_radius), phi, scale, eps), None, save=True,
+                          extra=extra)
+    if s is None:
+        return o, None, None
+    dim, dv = q.shape[-1], v.shape[-1]
+    s = s.permute(2, 0, 1, 3) if mixing.dim() == 3 else s.permute(1, 2, 0, 3)  # (B, H_kv, M, D·Dv + D)
+    return o, s[..., :dim * dv].unflatten(-1, (dim, dv)), s[..., dim * dv:]
 
 
 def mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale,
