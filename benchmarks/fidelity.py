@@ -494,7 +494,12 @@ def _run_all(jobs: list[tuple], workers: int) -> list:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The data and budget of every variant, --jobs and --quick (frontier.py trains with the same)."""
+    """The miniatures, their data and the budget of every variant, --jobs and --quick (frontier.py trains with the
+    same)."""
+    parser.add_argument("--kinds", default="lm,dit", help="comma-separated miniatures: lm, dit, joint")
+    parser.add_argument("--width", type=int, help="the miniatures' width (default 256; --quick 64)")
+    parser.add_argument("--layers", type=int, help="the miniatures' layers (default 6; --quick 2)")
+    parser.add_argument("--batch-size", type=int, help="training batch size (default: per miniature)")
     parser.add_argument("--transfer-steps", type=int, default=100)
     parser.add_argument("--transfer-lr", type=float, default=1e-3)
     parser.add_argument("--finetune-steps", type=int, default=400)
@@ -521,6 +526,9 @@ def settle_training(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit(f"--lm-heads must be QUERY/KEY heads, a multiple over a whole number, e.g. 8/8; "
                          f"got {args.lm_heads!r}")
     args.lm_heads = (int(heads[0]), int(heads[1]))
+    args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not args.kinds or set(args.kinds) - {"lm", "dit", "joint"}:
+        raise SystemExit(f"--kinds must name some of lm, dit, joint; got {','.join(args.kinds)!r}")
     args.precision = "bf16" if torch.cuda.is_available() else "no"
     return args
 
@@ -528,17 +536,12 @@ def settle_training(args: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kinds", default="lm,dit")
     parser.add_argument("--variants", help="comma-separated (default: every variant of each kind)")
-    parser.add_argument("--width", type=int, help="the miniatures' width (default 256; --quick 64)")
-    parser.add_argument("--layers", type=int, help="the miniatures' layers (default 6; --quick 2)")
-    parser.add_argument("--batch-size", type=int, help="training batch size (default: per miniature)")
     add_training_arguments(parser)
     args = settle_training(parser.parse_args(argv))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kinds = args.kinds.split(",")
     minis = {kind: mini for kind, mini in miniatures(args.quick, args.lm_heads, args.width, args.layers).items()
-             if kind in kinds}
+             if kind in args.kinds}
     chosen = None if args.variants is None else [v.strip() for v in args.variants.split(",")]
     known = set().union(*(m.variants for m in minis.values()))
     if chosen is not None and set(chosen) - known:

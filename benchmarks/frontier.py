@@ -15,12 +15,20 @@ For each ratio 0.25 / 0.5 / 0.75 / 1.0 (1.0: every layer), two halves, each reus
   - `lm` (`lm_generate.py`): a Llama-3.2-1B-shaped model at prompts of 8,192 and 32,768 tokens: the prompt's
     forward (prefill) and the decoding step on transformers' static-cache path,
     `generate(cache_implementation="static")`'s compiled forward (`torch.compile(mode="reduce-overhead")` on a
-    `StaticCache`; see lm_generate.py), ms per step over 255 new tokens.
+    `StaticCache`; see lm_generate.py), ms per step over 255 new tokens;
+  - `flux` (not in `--parts speed`: it pairs with the joint miniature, `--kinds joint`): a FLUX.1-dev-shaped
+    `FluxTransformer2DModel`'s whole forward at 1024² and 2048² with 512 prompt tokens, eager, as `wan`.
 
     python benchmarks/frontier.py --jobs 8 --out out/frontier             # all of it, GPU: about 10 minutes
     python benchmarks/frontier.py --parts quality --jobs 8 --out out/frontier   # about 4-5 minutes
     python benchmarks/frontier.py --parts speed --out out/frontier              # about 6 minutes
     python benchmarks/frontier.py --quick --out /tmp/frontier             # CPU smoke run, about a minute
+    python benchmarks/frontier.py --parts quality --kinds joint --width 64 --layers 3 --batch-size 32 \
+        --base-steps 2000 --jobs 2 --out out/joint                        # the joint families' gaps, CPU-sized
+    python benchmarks/frontier.py --parts flux --out out/joint            # and FLUX's speed, GPU
+
+`--kinds`, `--width`, `--layers` and `--batch-size` choose and size the miniatures as in fidelity.py. A ratio that
+converts as many layers as a smaller one (0.5 and 0.75 of 3) is trained once and reported at both.
 
 Expected times on one H200: quality about 4-5 minutes with `--jobs 8` (the two originals side by side, about
 1.5 minutes, then the 8 hybrids at once, 2.5-3 minutes; an --out that already holds the originals of a fidelity.py
@@ -61,7 +69,9 @@ import lm_generate  # noqa: E402
 import wan_forward  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75, 1.0)
-PARTS = ("quality", "wan", "lm")
+PARTS = ("quality", "wan", "lm", "flux")
+SPEED_PARTS = ("wan", "lm")  # `--parts speed`; flux, whose miniature (joint) is not fidelity's default, by name
+QUALITY_OF = {"wan": "dit", "lm": "lm", "flux": "joint"}  # the miniature each speed part pairs with
 # wan_forward.py --resolution's latents of 81 frames (channels 16, patch 1x2x2); --quick: tiny grids of two sizes
 WAN_LATENTS = {"480p": (21, 60, 100), "720p": (21, 90, 160)}
 TINY_WAN_LATENTS = {"480p": (3, 8, 8), "720p": (3, 8, 12)}
@@ -92,25 +102,31 @@ def variant_name(ratio: float) -> str:
     return f"auto-{round(100 * ratio)}"
 
 
-def quality_miniatures(quick: bool) -> dict:
-    """fidelity's LM and DiT miniatures with the frontier's variants (--quick: 4 layers, so that every ratio converts
-    a different number of them, scored and fitted on one calibration batch instead of 4)."""
-    minis = {kind: mini for kind, mini in fidelity.miniatures(quick).items() if kind in ("lm", "dit")}
-    section = {"strategy": "auto", **({"calibration_batches": 1} if quick else {})}
+def quality_miniatures(args) -> dict:
+    """fidelity's miniatures of --kinds (--width, --layers, --batch-size as fidelity's) with the frontier's variants
+    (--quick: 4 layers, so that every ratio converts a different number of them, scored and fitted on one
+    calibration batch instead of 4)."""
+    minis = {kind: mini for kind, mini in fidelity.miniatures(args.quick, args.lm_heads, args.width,
+                                                              args.layers).items() if kind in args.kinds}
+    section = {"strategy": "auto", **({"calibration_batches": 1} if args.quick else {})}
     for mini in minis.values():
-        if quick:
-            mini.config["num_hidden_layers" if mini.family == "llama" else "num_layers"] = 4
+        if args.quick:
+            layers = {"llama": {"num_hidden_layers": 4}, "flux": {"num_layers": 1, "num_single_layers": 3}}
+            mini.config.update(layers.get(mini.family, {"num_layers": 4}))
+        mini.batch_size = args.batch_size or mini.batch_size
         mini.variants = {variant_name(r): (f"{r:.0%} auto", {"ratio": r, **section}, True, {}) for r in RATIOS}
     return minis
 
 
 def num_layers(mini) -> int:
+    if mini.family == "flux":  # dual-stream and single-stream blocks, one attention each
+        return mini.config["num_layers"] + mini.config["num_single_layers"]
     return mini.config["num_hidden_layers" if mini.family == "llama" else "num_layers"]
 
 
 def quality(args, save) -> dict:
     """{kind: {original_loss, layers, ratios: {ratio: gaps, converted layers, curve}}}."""
-    minis = quality_miniatures(args.quick)
+    minis = quality_miniatures(args)
     tic = time.perf_counter()
     for kind, mini in minis.items():
         mini.base_steps = args.base_steps or mini.base_steps
@@ -123,10 +139,16 @@ def quality(args, save) -> dict:
         result[kind] = {"original_loss": original, "layers": num_layers(mini), "base_training": curve, "ratios": {}}
         print(f"[quality {kind}] original: held-out loss {original:.4f} ({time.perf_counter() - tic:.0f} s)",
               flush=True)
-    names = [(kind, ratio) for kind in minis for ratio in RATIOS]
-    done = fidelity._run_all([(fidelity.train_variant, kind, variant_name(ratio), minis[kind], args.out, args)
-                              for kind, ratio in names], args.jobs)
-    for (kind, ratio), v in zip(names, done):
+    # a ratio that converts as many layers as a smaller one converts the same ones (auto ranks them once): trained once
+    firsts = {}
+    for kind in minis:
+        for ratio in RATIOS:
+            firsts.setdefault((kind, round(ratio * num_layers(minis[kind]))), (kind, ratio))
+    names = list(firsts.values())
+    trained = dict(zip(names, fidelity._run_all([(fidelity.train_variant, kind, variant_name(ratio), minis[kind],
+                                                  args.out, args) for kind, ratio in names], args.jobs)))
+    done = [trained[firsts[kind, round(ratio * num_layers(minis[kind]))]] for kind in minis for ratio in RATIOS]
+    for (kind, ratio), v in zip([(kind, ratio) for kind in minis for ratio in RATIOS], done):
         curve = [{**r, "gap": fidelity.gap(r["validation_loss"], result[kind]["original_loss"])} for r in v["curve"]]
         result[kind]["ratios"][str(ratio)] = {
             "converted_layers": v["converted_layers"], "sensitivity": v["sensitivity"],
@@ -144,10 +166,47 @@ def quality(args, save) -> dict:
 # --- speed: the Wan forward and Llama generation of wan_forward.py and lm_generate.py ---------------------------
 
 
-def wan_speed(args, save) -> dict:
-    """{resolution: {tokens, original_ms, ratios: {ratio: {layers, ms, speedup}}}}, eager forwards."""
+def _ratio_speeds(setup, model, blocks, forwards: dict, result: dict, save, label: str) -> dict:
+    """Eager times of forwards[shape](variant) for `model` (result[shape]["original"]) and its conversion at each
+    ratio (result[shape]["ratios"][ratio], with the speed-up), strategy spread, one converted copy in memory at a
+    time; a failure is recorded and the run goes on."""
     from mhla_convert import mhla_layers
 
+    for ratio in (0.0, *RATIOS):
+        try:
+            variant = model if not ratio else wan_forward._converted(model, setup, blocks=blocks, ratio=ratio,
+                                                                     strategy="spread")
+            made = None
+        except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
+            traceback.print_exc()
+            variant, made = None, _error(e)
+        for shape, forward in forwards.items():
+            row = {"converted_layers": 0 if variant is None else len(mhla_layers(variant))}
+            try:
+                if made:
+                    raise RuntimeError(made)
+                with torch.no_grad():
+                    row["ms"] = wan_forward._time(lambda: forward(variant), setup, *WAN_REPS)
+            except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
+                traceback.print_exc()
+                row["error"] = _error(e)
+            if not ratio:
+                result[shape]["original"], result[shape]["original_ms"] = row, row.get("ms")
+            else:
+                base = result[shape]["original_ms"]
+                row["speedup"] = base / row["ms"] if base and row.get("ms") else None
+                result[shape]["ratios"][str(ratio)] = row
+            print(f"[{label} {shape}] ratio {ratio}: " + (f"{row['ms']:.1f} ms" if "ms" in row else row["error"]),
+                  flush=True)
+            save(result)
+        if variant is not model:
+            del variant
+            _free()
+    return result
+
+
+def wan_speed(args, save) -> dict:
+    """{resolution: {tokens, original_ms, ratios: {ratio: {layers, ms, speedup}}}}, eager forwards."""
     setup = wan_forward.Setup(tiny=args.quick)
     model = wan_forward._wan(setup)
     cfg = model.config
@@ -159,37 +218,34 @@ def wan_speed(args, save) -> dict:
     p = cfg.patch_size
     result = {res: {"latents": list(shape), "tokens": shape[0] // p[0] * (shape[1] // p[1]) * (shape[2] // p[2]),
                     "layers": cfg.num_layers, "blocks": list(blocks), "ratios": {}} for res, shape in latents.items()}
-    for ratio in (0.0, *RATIOS):
-        try:
-            variant = model if not ratio else wan_forward._converted(model, setup, blocks=blocks, ratio=ratio,
-                                                                     strategy="spread")
-            made = None
-        except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
-            traceback.print_exc()
-            variant, made = None, _error(e)
-        for res, x in inputs.items():
-            row = {"converted_layers": 0 if variant is None else len(mhla_layers(variant))}
-            try:
-                if made:
-                    raise RuntimeError(made)
-                with torch.no_grad():
-                    row["ms"] = wan_forward._time(lambda: variant(x, t, text, return_dict=False), setup, *WAN_REPS)
-            except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
-                traceback.print_exc()
-                row["error"] = _error(e)
-            if not ratio:
-                result[res]["original"], result[res]["original_ms"] = row, row.get("ms")
-            else:
-                base = result[res]["original_ms"]
-                row["speedup"] = base / row["ms"] if base and row.get("ms") else None
-                result[res]["ratios"][str(ratio)] = row
-            print(f"[wan {res}] ratio {ratio}: " + (f"{row['ms']:.1f} ms" if "ms" in row else row["error"]),
-                  flush=True)
-            save(result)
-        if variant is not model:
-            del variant
-            _free()
-    return result
+    forwards = {res: (lambda m, x=x: m(x, t, text, return_dict=False)) for res, x in inputs.items()}
+    return _ratio_speeds(setup, model, blocks, forwards, result, save, "wan")
+
+
+def flux_speed(args, save) -> dict:
+    """{size: {tokens, original_ms, ratios: …}} as `wan_speed`'s, for a FLUX.1-dev-shaped transformer (19 dual- and
+    38 single-stream blocks, each one joint attention) at 1024² and 2048² with 512 prompt tokens."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    setup = wan_forward.Setup(tiny=args.quick)
+    with torch.device(setup.device):
+        config = wan_forward.TINY_FLUX if args.quick else wan_forward.FLUX_CONFIG
+        model = FluxTransformer2DModel(**config).to(setup.dtype).eval()
+    cfg, text = model.config, 8 if args.quick else 512
+    prompt, pooled = setup.randn(1, text, cfg.joint_attention_dim), setup.randn(1, cfg.pooled_projection_dim)
+    t, guidance = torch.full((1,), 0.5, device=setup.device), torch.full((1,), 3.5, device=setup.device)
+    txt_ids = torch.zeros(text, 3, device=setup.device, dtype=setup.dtype)
+    sides, blocks = ({"1024²": 8, "2048²": 16}, (2, 2)) if args.quick else ({"1024²": 64, "2048²": 128}, (8, 8))
+    result = {size: {"tokens": side * side, "text_tokens": text, "layers": cfg.num_layers + cfg.num_single_layers,
+                     "blocks": list(blocks), "ratios": {}} for size, side in sides.items()}
+
+    def forward(side):
+        x = setup.randn(1, side * side, cfg.in_channels)
+        ids = FluxPipeline._prepare_latent_image_ids(1, side, side, setup.device, setup.dtype)
+        return lambda m: m(x, prompt, pooled, t, ids, txt_ids, guidance, return_dict=False)
+
+    forwards = {size: forward(side) for size, side in sides.items()}
+    return _ratio_speeds(setup, model, blocks, forwards, result, save, "flux")
 
 
 def lm_speed(args, save) -> dict:
@@ -247,13 +303,22 @@ def _prompt_label(prompt: int) -> str:
     return f"{prompt // 1024}k" if prompt % 1024 == 0 else str(prompt)
 
 
+KIND_NAMES = {"dit": "DiT", "lm": "LM", "joint": "Joint"}
+
+
 def columns(data: dict) -> list[tuple[str, str, str]]:
-    """(column, part, key) of the table's numbers, in order."""
-    cols = [("DiT gap", "quality", "dit"), ("LM gap", "quality", "lm")]
-    cols += [(f"Wan {res}", "wan", res) for res in (data.get("wan") or WAN_LATENTS)]
-    prompts = list((data.get("lm") or {}).get("prompts") or (8192, 32768))
-    cols += [(f"LM {step} {_prompt_label(int(p))}", "lm", f"{step}:{p}") for step in ("decode", "prefill")
-             for p in prompts]
+    """(column, part, key) of the table's numbers, in order: those of the parts run (without any, the default
+    ones')."""
+    ran = {part for part in PARTS if data.get(part)} or {"quality", *SPEED_PARTS}
+    kinds = list(data.get("quality") or ("dit", "lm"))
+    cols = [(f"{KIND_NAMES[kind]} gap", "quality", kind) for kind in kinds]
+    if "wan" in ran:
+        cols += [(f"Wan {res}", "wan", res) for res in (data.get("wan") or WAN_LATENTS)]
+    if "lm" in ran:
+        prompts = list((data.get("lm") or {}).get("prompts") or (8192, 32768))
+        cols += [(f"LM {step} {_prompt_label(int(p))}", "lm", f"{step}:{p}") for step in ("decode", "prefill")
+                 for p in prompts]
+    cols += [(f"FLUX {size}", "flux", size) for size in (data.get("flux") or {})]
     return cols
 
 
@@ -269,18 +334,20 @@ def frontier_rows(data: dict) -> list[dict]:
             row[f"quality:{kind}:step0"] = v and v["step0"]
             row[f"quality:{kind}:transfer"] = v and v["transfer"]
             if v:
-                layers[kind.upper() if kind == "lm" else "DiT"] = f"{len(v['converted_layers'])}/{res['layers']}"
-        for res, shape in (data.get("wan") or {}).items():
-            v = shape["ratios"].get(key, {})
-            row[f"wan:{res}"] = v.get("speedup")
-            if "converted_layers" in v and "Wan" not in layers:
-                layers["Wan"] = f"{v['converted_layers']}/{shape['layers']}"
+                layers[KIND_NAMES[kind]] = f"{len(v['converted_layers'])}/{res['layers']}"
+        for part, name in (("wan", "Wan"), ("flux", "FLUX")):
+            for res, shape in (data.get(part) or {}).items():
+                v = shape["ratios"].get(key, {})
+                row[f"{part}:{res}"] = v.get("speedup")
+                if "converted_layers" in v and name not in layers:
+                    layers[name] = f"{v['converted_layers']}/{shape['layers']}"
         for prompt, shape in ((data.get("lm") or {}).get("prompts") or {}).items():
             v = shape["ratios"].get(key, {})
             row[f"lm:decode:{prompt}"], row[f"lm:prefill:{prompt}"] = v.get("decode_speedup"), v.get("prefill_speedup")
             if "converted_layers" in v and "Llama" not in layers:
                 layers["Llama"] = f"{len(v['converted_layers'])}/{data['lm']['layers']}"
-        row["layers"] = {name: layers[name] for name in ("DiT", "LM", "Wan", "Llama") if name in layers}
+        row["layers"] = {name: layers[name] for name in ("DiT", "LM", "Joint", "Wan", "Llama", "FLUX")
+                         if name in layers}
         rows.append(row)
     return rows
 
@@ -315,6 +382,10 @@ def table(data: dict) -> str:
         notes.append("Wan: Wan2.1-1.3B-shaped whole forward, eager, original ms / converted ms (strategy spread); "
                      "originals " + ", ".join(f"{res} ({s['tokens']:,} tokens) {_ms(s.get('original_ms'))}"
                                               for res, s in data["wan"].items()) + ".")
+    if data.get("flux"):
+        notes.append("FLUX: FLUX.1-dev-shaped whole forward, eager, original ms / converted ms (strategy spread); "
+                     "originals " + ", ".join(f"{size} ({s['tokens']:,} image + {s['text_tokens']} text tokens) "
+                                              f"{_ms(s.get('original_ms'))}" for size, s in data["flux"].items()) + ".")
     lm = data.get("lm")
     if lm:
         originals = [(p, s.get("original", {})) for p, s in lm["prompts"].items()]
@@ -338,9 +409,10 @@ def _ms(value, digits: int = 1) -> str:
 
 def errors(data: dict) -> list[tuple[str, str, str]]:
     out = []
-    for res, shape in (data.get("wan") or {}).items():
-        rows = {"original": shape.get("original", {}), **shape["ratios"]}
-        out += [(f"wan {res}", r, v["error"]) for r, v in rows.items() if "error" in v]
+    for part in ("wan", "flux"):
+        for res, shape in (data.get(part) or {}).items():
+            rows = {"original": shape.get("original", {}), **shape["ratios"]}
+            out += [(f"{part} {res}", r, v["error"]) for r, v in rows.items() if "error" in v]
     for prompt, shape in ((data.get("lm") or {}).get("prompts") or {}).items():
         rows = {"original": shape.get("original", {}), **shape["ratios"]}
         out += [(f"lm {prompt}", r, v["error"]) for r, v in rows.items() if "error" in v]
@@ -361,7 +433,7 @@ def plot(data: dict, path: Path) -> bool:
     for name, part, key in columns(data):
         if part == "quality":
             continue
-        kind = "dit" if part == "wan" else "lm"
+        kind = QUALITY_OF[part]
         points = [(row[f"{part}:{key}"], 100 * row[f"quality:{kind}"], row["ratio"]) for row in rows
                   if row.get(f"{part}:{key}") is not None and row.get(f"quality:{kind}") is not None]
         if not points:
@@ -369,7 +441,7 @@ def plot(data: dict, path: Path) -> bool:
         xs, ys, _ = zip(*points)
         drawn = True
         shape = name.replace("LM ", "Llama ")
-        ax.plot(xs, ys, marker="o", ls="-" if part == "wan" else "--", label=f"{kind} gap vs {shape} speed-up")
+        ax.plot(xs, ys, marker="o", ls="--" if part == "lm" else "-", label=f"{kind} gap vs {shape} speed-up")
         for x, y, label in points:
             ax.annotate(f"{label:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
@@ -432,16 +504,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="quality,speed",
-                        help="comma-separated: quality, wan, lm, speed (= wan,lm); speed needs a GPU unless --quick")
+                        help="comma-separated: quality, wan, lm, flux, speed (= wan,lm); the speed parts need a "
+                             "GPU unless --quick")
     parser.add_argument("--new-tokens", type=int, help="LM: new tokens per generation (default 256; --quick 8)")
     fidelity.add_training_arguments(parser)
     args = fidelity.settle_training(parser.parse_args(argv))
     args.argv = sys.argv[1:] if argv is None else list(argv)
     asked = {p.strip() for p in args.parts.split(",") if p.strip()}
-    parts = [p for p in PARTS if p in asked or (p != "quality" and "speed" in asked)]
+    parts = [p for p in PARTS if p in asked or (p in SPEED_PARTS and "speed" in asked)]
     if not parts or asked - {*PARTS, "speed"}:
-        parser.error(f"--parts: expected a comma-separated list of quality, wan, lm, speed; got {args.parts!r}")
-    if set(parts) & {"wan", "lm"} and not args.quick and not torch.cuda.is_available():
+        parser.error(f"--parts: expected a comma-separated list of quality, wan, lm, flux, speed; got {args.parts!r}")
+    if set(parts) - {"quality"} and not args.quick and not torch.cuda.is_available():
         parser.error("the speed parts need a CUDA GPU; --quick runs tiny models on the CPU (or --parts quality)")
     if args.new_tokens is not None and args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (the prompt's forward gives the first)")
@@ -462,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.quick and part != "quality":
             torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
         try:
-            run = {"quality": quality, "wan": wan_speed, "lm": lm_speed}[part]
+            run = {"quality": quality, "wan": wan_speed, "lm": lm_speed, "flux": flux_speed}[part]
             run(args, lambda result, part=part: results.save(part, result))
         except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
             traceback.print_exc()

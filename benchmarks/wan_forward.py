@@ -116,8 +116,8 @@ class Setup:
         return torch.randn(*shape, device=self.device, dtype=self.dtype)
 
 
-def _time(fn, setup: Setup, warmup=2) -> float:
-    reps = setup.repeats
+def _time(fn, setup: Setup, warmup=2, reps=None) -> float:
+    reps = reps or setup.repeats
     if setup.tiny:
         warmup, reps = 1, 1
     for _ in range(warmup):

@@ -3,6 +3,7 @@ the numbers are consistent, and the LM benchmark's decoding loop drives the mode
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import itertools
 import json
@@ -361,6 +362,42 @@ def test_frontier_quick_fills_a_row_per_ratio(load, tmp_path):
     again = json.loads((tmp_path / "frontier.json").read_text())
     assert again["quality"] == saved["quality"] and again["lm"] == saved["lm"]
     assert again["runs"]["wan"]["command"].endswith("--parts wan --out " + str(tmp_path))
+
+
+def test_frontier_quick_joint_miniature_and_flux(load, tmp_path):
+    """The joint families' frontier: the joint miniature's gaps beside FLUX's speed-ups, a row per ratio; ratios that
+    convert as many layers train once and report the same numbers."""
+    frontier = load("frontier")
+    frontier.main(["--quick", "--kinds", "joint", "--parts", "quality,flux", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "frontier.json").read_text())
+    assert [name for name, _, _ in frontier.columns(saved)] == ["Joint gap", "FLUX 1024²", "FLUX 2048²"]
+    assert not frontier.errors(saved) and set(saved["runs"]) == {"quality", "flux"}
+    for row in saved["frontier"]:
+        assert all(isinstance(row[key], float) for key in ("quality:joint", "flux:1024²", "flux:2048²")), row
+        assert set(row["layers"]) == {"Joint", "FLUX"}
+    ratios = saved["quality"]["joint"]["ratios"]  # 1 dual- and 3 single-stream blocks: 1, 2, 3, 4 of them
+    assert [len(ratios[str(r)]["converted_layers"]) for r in frontier.RATIOS] == [1, 2, 3, 4]
+    assert [saved["flux"]["1024²"]["ratios"][str(r)]["converted_layers"] for r in frontier.RATIOS] == [1, 2, 2, 3]
+    assert (tmp_path / "frontier.png").exists()
+
+
+def test_frontier_trains_ratios_of_equal_layers_once(load, tmp_path, monkeypatch):
+    """3 layers: ratios 0.5 and 0.75 both convert 2 of them, so one training serves both rows."""
+    frontier = load("frontier")
+    fid = frontier.fidelity
+    trained = []
+    curve = [{"step": 0, "stage": "finetune", "validation_loss": 1.0}]
+    monkeypatch.setattr(fid, "write_data", lambda *a: None)
+    monkeypatch.setattr(fid, "train_base", lambda *a: curve)
+    monkeypatch.setattr(fid, "train_variant", lambda kind, name, *a: trained.append(name) or {
+        "curve": curve, "converted_layers": [0] * {"auto-25": 1, "auto-50": 2, "auto-100": 3}[name],
+        "sensitivity": None, "conversion": {}, "seconds": 0.0})
+    args = fid.settle_training(argparse.Namespace(
+        quick=False, kinds="joint", width=64, layers=3, batch_size=None, lm_heads="4/2", transfer_steps=0,
+        finetune_steps=1, eval_every=1, base_steps=1, jobs=1, out=tmp_path))
+    result = frontier.quality(args, lambda _: None)["joint"]
+    assert trained == ["auto-25", "auto-50", "auto-100"] and result["layers"] == 3
+    assert [len(result["ratios"][str(r)]["converted_layers"]) for r in frontier.RATIOS] == [1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("argv, message", [(["--quick", "--parts", "speed,sound"], "--parts"),
