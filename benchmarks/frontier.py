@@ -310,7 +310,8 @@ def columns(data: dict) -> list[tuple[str, str, str]]:
     """(column, part, key) of the table's numbers, in order: those of the parts run (without any, the default
     ones')."""
     ran = {part for part in PARTS if data.get(part)} or {"quality", *SPEED_PARTS}
-    kinds = list(data.get("quality") or ("dit", "lm"))
+    paired = [QUALITY_OF[part] for part in PARTS[1:] if part in ran]  # (the miniatures the speed parts pair with)
+    kinds = list(data.get("quality") or sorted(paired, key=list(KIND_NAMES).index))
     cols = [(f"{KIND_NAMES[kind]} gap", "quality", kind) for kind in kinds]
     if "wan" in ran:
         cols += [(f"Wan {res}", "wan", res) for res in (data.get("wan") or WAN_LATENTS)]

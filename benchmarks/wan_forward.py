@@ -38,7 +38,7 @@ whole-model fullgraph trace cannot.
 
 --kernels N then profiles 3 forwards of every variant in each mode (torch.profiler) and prints its N kernels with
 the most GPU time per forward, and its total kernel time: where a whole model's time goes, and how much of it the
-attention takes.
+attention takes. With --regional, the compiled variants only.
 
 --tiny runs narrow 2-3-layer versions of every model but wan-layer on the CPU in float32 (perf_counter timings;
 --compile traces with the "aot_eager" backend, no code generation; --kernels lists CPU ops): a smoke run.
@@ -186,8 +186,10 @@ def _measure(models: dict, call, setup: Setup, alternate=False) -> list[tuple[st
                     traceback.print_exc()
                     first = (str(e).strip().splitlines() or [""])[0].replace("|", "/")
                     errors[key] = f"{type(e).__name__}: {first}"
-    if setup.kernels:
-        print(_kernel_profile({key: fn for key, fn in fns.items() if key not in errors}, setup), flush=True)
+    if setup.kernels:  # (--regional: the eager models are compiled by now, so only the compiled are profiled)
+        skip = {key for key in fns if key in errors or (setup.regional and key[1] == "eager")}
+        profiled = {key: fn for key, fn in fns.items() if key not in skip}
+        print(_kernel_profile(profiled, setup), flush=True)
     if setup.regional:  # the models' blocks eager again, for a later size's eager timings
         for module in (sub for model in models.values() for sub in model.modules()):
             module._compiled_call_impl = None  # (what nn.Module.compile sets)
