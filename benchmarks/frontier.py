@@ -140,15 +140,15 @@ def quality(args, save) -> dict:
         print(f"[quality {kind}] original: held-out loss {original:.4f} ({time.perf_counter() - tic:.0f} s)",
               flush=True)
     # a ratio that converts as many layers as a smaller one converts the same ones (auto ranks them once): trained once
-    firsts = {}
-    for kind in minis:
-        for ratio in RATIOS:
-            firsts.setdefault((kind, round(ratio * num_layers(minis[kind]))), (kind, ratio))
-    names = list(firsts.values())
-    trained = dict(zip(names, fidelity._run_all([(fidelity.train_variant, kind, variant_name(ratio), minis[kind],
-                                                  args.out, args) for kind, ratio in names], args.jobs)))
-    done = [trained[firsts[kind, round(ratio * num_layers(minis[kind]))]] for kind in minis for ratio in RATIOS]
-    for (kind, ratio), v in zip([(kind, ratio) for kind in minis for ratio in RATIOS], done):
+    converts = {(kind, ratio): round(ratio * num_layers(minis[kind])) for kind in minis for ratio in RATIOS}
+    first = {}
+    for (kind, ratio), n in converts.items():
+        first.setdefault((kind, n), (kind, ratio))
+    trained = dict(zip(first.values(), fidelity._run_all([(fidelity.train_variant, kind, variant_name(ratio),
+                                                           minis[kind], args.out, args)
+                                                          for kind, ratio in first.values()], args.jobs)))
+    for (kind, ratio), n in converts.items():
+        v = trained[first[kind, n]]
         curve = [{**r, "gap": fidelity.gap(r["validation_loss"], result[kind]["original_loss"])} for r in v["curve"]]
         result[kind]["ratios"][str(ratio)] = {
             "converted_layers": v["converted_layers"], "sensitivity": v["sensitivity"],
