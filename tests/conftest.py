@@ -24,9 +24,9 @@ def hub_offline(monkeypatch):
 
 @pytest.fixture
 def poisoned_kernel_buffers(monkeypatch):
-    """Every buffer the Triton kernels write (`mhla_triton._new`, also imported by `exact_triton`) starts as NaN,
-    so an element a kernel leaves unwritten fails the comparison; buffers asked for as zeros stay zeros."""
-    from mhla_convert.kernels import exact_triton, mhla_triton
+    """Every buffer the Triton kernels write (`mhla_triton._new`, imported by the other kernel modules) starts as
+    NaN, so an element a kernel leaves unwritten fails the comparison; buffers asked for as zeros stay zeros."""
+    from mhla_convert.kernels import exact_blocks_triton, exact_triton, joint_triton, mhla_triton
 
     real = mhla_triton._new
 
@@ -34,7 +34,7 @@ def poisoned_kernel_buffers(monkeypatch):
         out = real(*shape, device=device, dtype=dtype, zero=zero)
         return out if zero else out.fill_(float("nan"))
 
-    for module in (mhla_triton, exact_triton):
+    for module in (mhla_triton, exact_triton, exact_blocks_triton, joint_triton):
         monkeypatch.setattr(module, "_new", nan_filled)
 
 

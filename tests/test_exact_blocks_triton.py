@@ -13,18 +13,14 @@ import pytest
 import torch
 from triton_marks import DEVICE, INTERPRETED, gpu, run
 
-from mhla_convert.kernels import exact_blocks_triton, mhla_triton, settings
+from mhla_convert.kernels import exact_blocks_triton, settings
 from mhla_convert.ops import BlockLayout, mhla_attention
 from mhla_convert.ops.dispatch import select
 from mhla_convert.ops.exact_blocks import exact_radius_axes, mhla_attention_exact_blocks_torch
 from mhla_convert.ops.exact_op import exact_attention_op
 from mhla_convert.ops.feature_maps import FEATURE_MAPS
 
-
-@pytest.fixture(autouse=True)
-def poisoned(poisoned_kernel_buffers, monkeypatch):
-    """conftest.py's NaN-filled buffers, for this module's kernels too."""
-    monkeypatch.setattr(exact_blocks_triton, "_new", mhla_triton._new)
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
 
 
 # batch, grid, blocks, heads, kv heads, D, Dv, exact radius, per-head mixing, feature map

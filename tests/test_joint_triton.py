@@ -13,6 +13,8 @@ from mhla_convert.kernels import joint_triton
 from mhla_convert.ops import BlockLayout
 from mhla_convert.ops.joint import joint_attention
 
+pytestmark = pytest.mark.usefixtures("poisoned_kernel_buffers")  # (conftest.py)
+
 # batch, text, grid, blocks, exact radius, kv heads, per-head mixing, padded text
 CASES = {
     "2d-batch": (2, 5, (5, 7), (2, 3), 1, 4, False, False),

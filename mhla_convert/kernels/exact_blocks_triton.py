@@ -10,7 +10,9 @@ Forward, three launches:
 3. one fused program per (query head, query tile of block i, batch): the softmax kernel flash-style over the tokens
    of the K = Π(2·r_a + 1) blocks around block i (blocks off the block grid, blocks of weight 0 and keys of
    `key_mask` False left out), with the running row maximum starting at 0 as the shift, plus φ(q)·scale·S̃_i and
-   its normaliser scaled by exp(−shift), divided and written in q's dtype.
+   its normaliser scaled by exp(−shift), divided and written in q's dtype. Inference may add tokens off the grid
+   (`ExtraTokens`: a joint model's text), whose keys every row reads after its neighbourhood's and whose queries
+   more programs of the same launch run as one more block, M, with no neighbourhood and row M of the mixture.
 
 As in `mhla_kernels`, a block's tokens are found by index arithmetic on the grid (`mhla_kernels._rows`: every grid
 seen as 3-D, block coordinates row-major): nothing is permuted or padded in memory, and the block shape's inner
@@ -129,21 +131,33 @@ def _blocks_forward_kernel(
     NB2, T, TILES: tl.constexpr, R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr, FAR: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, PHI: tl.constexpr,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr, WIDEN: tl.constexpr, LSE, slb, slh,
-    SAVE: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr, XK, XV, XM, XW, sxkb, sxkn, sxkh, sxvb, sxvn,
-    sxvh, sxmb, sxwh, XL, EXTRA: tl.constexpr, XMASKED: tl.constexpr, XTILES: tl.constexpr,
+    SAVE: tl.constexpr, BK: tl.constexpr, KTILES: tl.constexpr, XQ, XK, XV, XM, XW, XO, sxqb, sxqn, sxqh, sxkb,
+    sxkn, sxkh, sxvb, sxvn, sxvh, sxmb, sxwh, sxob, sxon, sxoh, XL, EXTRA: tl.constexpr, XMASKED: tl.constexpr,
+    XTILES: tl.constexpr,
 ):
     """Output rows of query tile `pid % TILES` of block i = pid // TILES (a block is TILES tiles of BT tokens), for
     query head h of batch b; each neighbour block's keys are read in KTILES tiles of BK tokens. qk_scale =
     log2(e)/√D: scores and the running maximum are in log2 units, so every exponential is an exp2. SAVE: also each
-    row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)), for the backward. EXTRA: also the XL keys of
-    XK / XV (XMASKED: those of XM true), read exactly in XTILES tiles of BK at weight XW[h, i]."""
+    row's log2-normaliser lse = shift + log2(den + eps·exp(−shift)), for the backward. EXTRA: also the XL extra
+    tokens of XQ / XK / XV (XMASKED: the keys of XM true), read exactly in XTILES tiles of BK at weight XW[h, i];
+    and programs pid ≥ M·TILES for their queries in tiles of BT, block i = M: no neighbourhood, the extra keys at
+    XW[h, M] and row M of SF, written to XO."""
     h, pid, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    i, qtile = pid // TILES, pid % TILES
+    if EXTRA:
+        image = pid < M * TILES
+    else:
+        image = True
+    i, qtile = tl.minimum(pid // TILES, M), pid % TILES  # (M: the extra tokens' query block)
     hk = h // GROUPS
     d, e = tl.arange(0, BD), tl.arange(0, BDV)
     t, qvalid = _rows(i, qtile * BT + tl.arange(0, BT), L0, L1, L2, S0, S1, S2, NB1, NB2, T)
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqn + d[None, :], mask=qvalid[:, None] & (d < D)[None, :],
-                other=0.0)
+    x = (pid - M * TILES) * BT + tl.arange(0, BT)  # (an extra-token query tile's rows)
+    if image:
+        q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqn + d[None, :], mask=qvalid[:, None] & (d < D)[None, :],
+                    other=0.0)
+    else:
+        q = tl.load(XQ + b * sxqb + h * sxqh + x[:, None] * sxqn + d[None, :],
+                    mask=(x < XL)[:, None] & (d < D)[None, :], other=0.0)
     kp, vp = K + b * skb + hk * skh, V + b * svb + hk * svh
 
     shift = tl.zeros((BT,), tl.float32)  # the row's largest neighbourhood score so far, at least 0 (log2 units)
@@ -155,7 +169,7 @@ def _blocks_forward_kernel(
     W2: tl.constexpr = 2 * R2 + 1
     for near in range((2 * R0 + 1) * W1 * W2):  # row-major offsets, as `ops.exact_blocks.neighbour_table`
         n0, n1, n2 = c0 + near // (W1 * W2) - R0, c1 + (near // W2) % W1 - R1, c2 + near % W2 - R2
-        on_grid = (n0 >= 0) & (n0 < NB0) & (n1 >= 0) & (n1 < NB1) & (n2 >= 0) & (n2 < NB2)
+        on_grid = (n0 >= 0) & (n0 < NB0) & (n1 >= 0) & (n1 < NB1) & (n2 >= 0) & (n2 < NB2) & image
         j = (n0 * NB1 + n1) * NB2 + n2
         w = tl.load(mix_row + j, mask=on_grid, other=0.0).to(tl.float32)
         # a block off the grid or of weight 0 has no keys: left out of the shift as of the sums
@@ -189,10 +203,14 @@ def _blocks_forward_kernel(
         den += tl.sum(fq * zf[None, :], 1) * (scale * decay)
     total = den + eps * decay
     out = acc / total[:, None]
-    tl.store(O + b * sob + h * soh + t[:, None] * son + e[None, :], out.to(O.dtype.element_ty),
-             mask=qvalid[:, None] & (e < DV)[None, :])
-    if SAVE:
-        tl.store(LSE + b * slb + h * slh + t, shift + tl.log2(total), mask=qvalid)
+    if image:
+        tl.store(O + b * sob + h * soh + t[:, None] * son + e[None, :], out.to(O.dtype.element_ty),
+                 mask=qvalid[:, None] & (e < DV)[None, :])
+        if SAVE:
+            tl.store(LSE + b * slb + h * slh + t, shift + tl.log2(total), mask=qvalid)
+    else:
+        tl.store(XO + b * sxob + h * sxoh + x[:, None] * sxon + e[None, :], out.to(XO.dtype.element_ty),
+                 mask=(x < XL)[:, None] & (e < DV)[None, :])
 
 
 @triton.jit
@@ -422,34 +440,46 @@ def _summary_strides(x: torch.Tensor, per_head: bool) -> tuple[int, int, int]:
     return (x.stride(2), x.stride(0), x.stride(1)) if per_head else (x.stride(1), x.stride(2), x.stride(0))
 
 
-class ExtraKeys(NamedTuple):
-    """Keys every query reads exactly besides its neighbourhood (a joint model's text tokens), each query block at
-    its own weight."""
+class ExtraTokens(NamedTuple):
+    """Tokens off the grid (a joint model's text) that every query block reads exactly, each block at its own
+    weight, and that query too, as one more block M: their own keys exactly, the grid's blocks through their
+    summaries (inference only)."""
 
+    q: torch.Tensor  # (B, L, H, D)
     k: torch.Tensor  # (B, L, H_kv, D)
     v: torch.Tensor  # (B, L, H_kv, Dv)
-    weight: torch.Tensor  # (H, M) per query head and block, or (1, M) shared; ≥ 0
-    mask: torch.Tensor | None  # (B, L) bool, False for padding; None: every key is real
+    weight: torch.Tensor  # (H, M + 1) per query head or (1, M + 1) shared, ≥ 0: block i's weight of their keys
+    reader: torch.Tensor  # (H, M) or (1, M), ≥ 0: their queries' weight of each grid block's summary
+    mask: torch.Tensor | None  # (B, L) bool, False for padded keys; None: every key is real
+    out: torch.Tensor  # (B, L, H, Dv), unit last stride: where their queries' rows go
 
 
-def _extra_arguments(extra: ExtraKeys | None, q, bk: int) -> dict:
+def _extra_arguments(extra: ExtraTokens | None, q, bk: int) -> dict:
     """The forward kernel's EXTRA arguments (q: a pointer it never reads without them)."""
     if extra is None:
-        return dict(XK=q, XV=q, XM=q, XW=q, sxkb=0, sxkn=0, sxkh=0, sxvb=0, sxvn=0, sxvh=0, sxmb=0, sxwh=0, XL=0,
-                    EXTRA=False, XMASKED=False, XTILES=0)
-    k, v, w = _row_major(extra.k), _row_major(extra.v), extra.weight.to(torch.float32).contiguous()
+        return dict(XQ=q, XK=q, XV=q, XM=q, XW=q, XO=q, sxqb=0, sxqn=0, sxqh=0, sxkb=0, sxkn=0, sxkh=0, sxvb=0,
+                    sxvn=0, sxvh=0, sxmb=0, sxwh=0, sxob=0, sxon=0, sxoh=0, XL=0, EXTRA=False, XMASKED=False,
+                    XTILES=0)
+    xq, k, v, o = _row_major(extra.q), _row_major(extra.k), _row_major(extra.v), extra.out
+    w = extra.weight.to(torch.float32).contiguous()
     m = q if extra.mask is None else _row_major(extra.mask).view(torch.uint8)
-    return dict(XK=k, XV=v, XM=m, XW=w, sxkb=k.stride(0), sxkn=k.stride(1), sxkh=k.stride(2), sxvb=v.stride(0),
-                sxvn=v.stride(1), sxvh=v.stride(2), sxmb=0 if extra.mask is None else m.stride(0),
-                sxwh=w.stride(0) if w.shape[0] > 1 else 0, XL=k.shape[1], EXTRA=True,
-                XMASKED=extra.mask is not None, XTILES=_cdiv(k.shape[1], bk))
+    return dict(XQ=xq, XK=k, XV=v, XM=m, XW=w, XO=o, sxqb=xq.stride(0), sxqn=xq.stride(1), sxqh=xq.stride(2),
+                sxkb=k.stride(0), sxkn=k.stride(1), sxkh=k.stride(2), sxvb=v.stride(0), sxvn=v.stride(1),
+                sxvh=v.stride(2), sxmb=0 if extra.mask is None else m.stride(0),
+                sxwh=w.stride(0) if w.shape[0] > 1 else 0, sxob=o.stride(0), sxon=o.stride(1), sxoh=o.stride(2),
+                XL=k.shape[1], EXTRA=True, XMASKED=extra.mask is not None, XTILES=_cdiv(k.shape[1], bk))
 
 
-def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False, extra: ExtraKeys | None = None):
+def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False, extra: ExtraTokens | None = None,
+             out: torch.Tensor | None = None):
     """The three launches of the module doc → output (B, N, H, Dv) in q's dtype; with `save`, what the backward
     reads too: (output, lse (B, H, N) float32, summaries S, their mixture S̃), S and S̃ None when no query reads
     them, else 4-D buffers of `summary_rows` (S per kv head, S̃ per query head for a per-head mixing). `extra`:
-    further keys read exactly in the same softmax (inference only: the backward does not know them)."""
+    tokens off the grid read exactly in the same softmax, whose queries' rows the same launch writes to extra.out
+    (inference only: the backward does not know them). `out`: where the output goes, (B, N, H, Dv) in q's dtype
+    with unit last stride (a slice of a larger buffer, say)."""
+    if save and extra is not None:
+        raise ValueError("extra tokens are for inference: the backward does not read them")
     layout = p.layout
     batch, n, heads, dim = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
@@ -468,29 +498,34 @@ def _forward(q, k, v, mixing, p: _Problem, key_mask, save: bool = False, extra: 
     consts = dict(**geometry, TILES=tiles, D=dim, DV=dv, BT=bt, BD=_p2(dim), BDV=_p2(dv), PHI=phi_id(p.phi),
                   MASKED=masked, DOT_PREC="tf32" if half else "ieee", WIDEN=half and interpreting(),
                   num_warps=own.warps or settings.SETTINGS.warps, **({"num_stages": own.stages} if own.stages else {}))
-    o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device)
+    o = _new(batch, n, heads, dv, dtype=q.dtype, device=q.device) if out is None else out
     lse = _new(batch, heads, n, dtype=torch.float32, device=q.device) if save else o
 
     radius = (0,) * (3 - len(p.radius)) + tuple(p.radius)
     s = sf = None
-    if p.far:
+    far = p.far or extra is not None  # (the extra tokens' queries read every block's summary)
+    if far:
         cols = dim * dv + dim
         dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
         s, s_strides = summary_rows(kv_heads, m, batch, cols, per_head=per_head, dtype=dtype, device=q.device)
         _blocks_summaries_kernel[(kv_heads, m, batch)](
             k, v, km, s, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0),
             *s_strides, **consts)
-        mix_far = mix.masked_fill(exact_mask(layout.blocks, p.radius, q.device), 0.0).to(dtype)
-        sf, far_groups = mix_rows(mix_far, s, per_head=per_head, kv_heads=kv_heads, groups=groups)
-        sf = sf.view(heads, m, batch, cols) if per_head else sf.view(m, batch, kv_heads, cols)
+        mix_far = mix.masked_fill(exact_mask(layout.blocks, p.radius, q.device), 0.0)
+        if extra is not None:  # row M: the extra tokens' queries
+            mix_far = torch.cat([mix_far, extra.reader.to(torch.float32).view(*mix_far.shape[:-2], 1, m)], -2)
+        rows = mix_far.shape[-2]
+        sf, far_groups = mix_rows(mix_far.to(dtype), s, per_head=per_head, kv_heads=kv_heads, groups=groups)
+        sf = sf.view(heads, rows, batch, cols) if per_head else sf.view(rows, batch, kv_heads, cols)
         sf_strides = _summary_strides(sf, per_head)
     else:
         sf_strides, far_groups = (0, 0, 0), 1
-    _blocks_forward_kernel[(heads, m * tiles, batch)](
+    xtiles = 0 if extra is None else _cdiv(extra.k.shape[1], bt)
+    _blocks_forward_kernel[(heads, m * tiles + xtiles, batch)](
         q, k, v, km, mix, o if sf is None else sf, o, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
         k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), km.stride(0), o.stride(0), o.stride(1),
         o.stride(2), m * m if per_head else 0, *sf_strides, m, groups, far_groups, math.log2(math.e) * dim**-0.5,
-        p.scale, p.eps, NB0=nb0, R0=radius[0], R1=radius[1], R2=radius[2], FAR=p.far, LSE=lse,
+        p.scale, p.eps, NB0=nb0, R0=radius[0], R1=radius[1], R2=radius[2], FAR=far, LSE=lse,
         slb=lse.stride(0) if save else 0, slh=lse.stride(1) if save else 0, SAVE=save, BK=bk, KTILES=_cdiv(t, bk),
         **_extra_arguments(extra, q, bk), **consts)
     if not save:
@@ -625,18 +660,12 @@ def mhla_attention_exact_blocks_triton(q, k, v, mixing, layout: BlockLayout, *, 
     return _forward(q, k, v, mixing, p, key_mask)
 
 
-def forward_with_extra_keys(q, k, v, mixing, layout: BlockLayout, extra: ExtraKeys, *, exact_radius, phi, scale,
-                            eps):
-    """Inference forward with `extra` keys read exactly beside each neighbourhood (`joint_triton`'s text) →
-    (output (B, N, H, Dv) in q's dtype, the block summaries S and z (B, H_kv, M, D, Dv) and (B, H_kv, M, D), in
-    the summaries' dtype, or None when no query reads a summary). Inputs must be ones `unsupported_reason` passes."""
-    o, _, s, _ = _forward(q, k, v, mixing, _Problem(layout, tuple(exact_radius), phi, scale, eps), None, save=True,
-                          extra=extra)
-    if s is None:
-        return o, None, None
-    dim, dv = q.shape[-1], v.shape[-1]
-    s = s.permute(2, 0, 1, 3) if mixing.dim() == 3 else s.permute(1, 2, 0, 3)  # (B, H_kv, M, D·Dv + D)
-    return o, s[..., :dim * dv].unflatten(-1, (dim, dv)), s[..., dim * dv:]
+def forward_with_extra_tokens(q, k, v, mixing, layout: BlockLayout, extra: ExtraTokens, *, out: torch.Tensor,
+                              exact_radius, phi, scale, eps) -> None:
+    """Inference forward of the grid's queries, written to `out` (`_forward`'s), and of the `extra` tokens' queries,
+    written to extra.out, in one launch (`joint_triton`'s image and text). Inputs must be ones `unsupported_reason`
+    passes."""
+    _forward(q, k, v, mixing, _Problem(layout, tuple(exact_radius), phi, scale, eps), None, extra=extra, out=out)
 
 
 def mhla_attention_exact_blocks_triton_backward(do, q, k, v, mixing, layout: BlockLayout, *, exact_radius, phi, scale,

@@ -1,11 +1,12 @@
 """The Triton inference path of joint text–image MHLA (`ops.joint`; its torch path is the reference this is tested
 against).
 
-An image query's row is non-causal MHLA with an exact block neighbourhood (`exact_blocks_triton`) plus the L text
-keys read exactly at weight m_iM: the exact-block forward reads the text as further key tiles after the
-neighbourhood's, in the same flash-style softmax (its `ExtraKeys`), so the row stays one normalised distribution
-and nothing of size N × L reaches memory. The L text queries' rows run the torch path's `text_rows` over the block
-summaries that forward already made.
+One launch of the exact-block forward kernels (`exact_blocks_triton`, its `ExtraTokens`) does both kinds of row. An
+image query's row is non-causal MHLA with an exact block neighbourhood plus the L text keys read exactly at weight
+m_iM, as further key tiles after the neighbourhood's in the same flash-style softmax, so the row stays one
+normalised distribution and nothing of size N × L reaches memory. The text queries are one more query block, M,
+with no neighbourhood: the text keys exactly at m_MM and every image block's summary, mixed by the mixing's row M
+beside the image blocks' own mixtures (one GEMM). Both write into the joint output in place.
 
 Inference only: a call that needs gradients takes the torch path, as do layers without an exact region and inputs
 the exact-block kernels do not take (`unsupported_reason`). Importing this module registers the backend (as
@@ -18,9 +19,8 @@ import torch
 
 from ..ops.blocks import BlockLayout
 from ..ops.dispatch import register
-from ..ops.exact_blocks import block_summaries, grouped_mixing
-from ..ops.joint import real_text, text_rows
 from . import exact_blocks_triton
+from .mhla_triton import _new
 
 
 def unsupported_reason(q, k, v, mixing, layout: BlockLayout, *, text, exact_radius, phi, text_mask=None,
@@ -52,24 +52,18 @@ def joint_attention_triton(q, k, v, mixing, layout: BlockLayout, *, text, exact_
                                 text_mask=text_mask, text_exact=text_exact)
     if reason is not None:
         raise ValueError(f"the triton backend does not take {reason}; use backend='auto' or 'torch'")
-    batch, heads, m = q.shape[0], q.shape[2], layout.num_blocks
-    kv_heads, groups = k.shape[2], heads // k.shape[2]
-    qt, kt, vt, qi, ki, vi = q[:, :text], k[:, :text], v[:, :text], q[:, text:], k[:, text:], v[:, text:]
-
-    # image queries: neighbourhood, summaries and the text in one exact-block forward
-    to_text = mixing[..., :m, m].reshape(-1, m)  # (H or 1, M)
-    extra = exact_blocks_triton.ExtraKeys(kt, vt, to_text, text_mask)
-    image_out, s, z = exact_blocks_triton.forward_with_extra_keys(
-        qi, ki, vi, mixing[..., :m, :m], layout, extra, exact_radius=exact_radius, phi=phi, scale=scale, eps=eps)
-
-    # text queries: the torch path's rows (L of them), over the image's block summaries
-    if s is None:  # (every block reads every other exactly: the forward made no summaries)
-        s, z = block_summaries(layout.to_blocks(phi(ki.float())), layout.to_blocks(vi.float()))
-    mix = grouped_mixing(mixing.float(), kv_heads, groups)  # (·, ·, M + 1, M + 1)
-    real = real_text(text_mask, batch, text, q.device)
-    text_out = text_rows(qt.float(), kt.float(), vt.float(), s.float(), z.float(), mix, real, phi=phi, scale=scale,
-                         eps=eps)
-    return torch.cat([text_out.to(q.dtype), image_out], 1)
+    m = layout.num_blocks
+    out = _new(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    # the text keys' weight for each image block and (column M) the text queries; the text queries' weight of each
+    # image block's summary
+    to_text, from_text = mixing[..., :, m].reshape(-1, m + 1), mixing[..., m, :m].reshape(-1, m)  # (H or 1, ·)
+    text_tokens = exact_blocks_triton.ExtraTokens(q[:, :text], k[:, :text], v[:, :text], to_text, from_text, text_mask,
+                                                  out[:, :text])
+    image = (slice(None), slice(text, None))
+    exact_blocks_triton.forward_with_extra_tokens(q[image], k[image], v[image], mixing[..., :m, :m], layout,
+                                                  text_tokens, out=out[image], exact_radius=exact_radius, phi=phi,
+                                                  scale=scale, eps=eps)
+    return out
 
 
 register("joint", "triton", joint_attention_triton, supports)

@@ -22,7 +22,8 @@ mixed by row M (one query block of their own); `text_mask` (B, L) bool drops pad
 O((L + N)·d² + M²·d² + N·(K·T + L)·d + L²·d) for K neighbourhood blocks of T tokens.
 
 `joint_attention` dispatches as op "joint" (`ops.dispatch`): the torch path here, and for inference with an exact
-region on CUDA `kernels.joint_triton`, whose exact-block kernels read the text in the image rows' softmax.
+region on CUDA `kernels.joint_triton`, whose exact-block kernels read the text in the image rows' softmax and run
+the text rows in the same launch.
 Under torch.compile it is one custom op (`joint_attention_op`) whose backward runs the torch path again.
 """
 
