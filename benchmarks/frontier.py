@@ -16,8 +16,11 @@ For each ratio 0.25 / 0.5 / 0.75 / 1.0 (1.0: every layer), two halves, each reus
     forward (prefill) and the decoding step on transformers' static-cache path,
     `generate(cache_implementation="static")`'s compiled forward (`torch.compile(mode="reduce-overhead")` on a
     `StaticCache`; see lm_generate.py), ms per step over 255 new tokens;
-  - `flux` (not in `--parts speed`: it pairs with the joint miniature, `--kinds joint`): a FLUX.1-dev-shaped
-    `FluxTransformer2DModel`'s whole forward at 1024² and 2048² with 512 prompt tokens, eager, as `wan`.
+  - the families' parts, by name (not in `--parts speed`): `flux`, `qwen-image` and `hunyuanvideo`, which pair
+    with the joint miniature (`--kinds joint`), and `wan2.2`, which pairs with the DiT: the whole forward, eager, as
+    `wan`, of a FLUX.1-dev-shaped `FluxTransformer2DModel` at 1024² and 2048² with 512 prompt tokens, a
+    Qwen-Image-shaped one at 1328² (512), a HunyuanVideo-shaped one at 720p × 129 frames (256; one warm-up and one
+    timed forward per ratio: the original's takes about 30 s) and a Wan2.2-TI2V-5B-shaped one at its 720p.
 
     python benchmarks/frontier.py --jobs 8 --out out/frontier             # all of it, GPU: about 10 minutes
     python benchmarks/frontier.py --parts quality --jobs 8 --out out/frontier   # about 4-5 minutes
@@ -25,7 +28,7 @@ For each ratio 0.25 / 0.5 / 0.75 / 1.0 (1.0: every layer), two halves, each reus
     python benchmarks/frontier.py --quick --out /tmp/frontier             # CPU smoke run, about a minute
     python benchmarks/frontier.py --parts quality --kinds joint --width 64 --layers 3 --batch-size 32 \
         --base-steps 2000 --jobs 2 --out out/joint                        # the joint families' gaps, CPU-sized
-    python benchmarks/frontier.py --parts flux --out out/joint            # and FLUX's speed, GPU
+    python benchmarks/frontier.py --parts flux,qwen-image,hunyuanvideo,wan2.2 --out out/joint  # their speed, GPU
 
 `--kinds`, `--width`, `--layers` and `--batch-size` choose and size the miniatures as in fidelity.py. A ratio that
 converts as many layers as a smaller one (0.5 and 0.75 of 3) is trained once and reported at both.
@@ -69,9 +72,16 @@ import lm_generate  # noqa: E402
 import wan_forward  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75, 1.0)
-PARTS = ("quality", "wan", "lm", "flux")
-SPEED_PARTS = ("wan", "lm")  # `--parts speed`; flux, whose miniature (joint) is not fidelity's default, by name
-QUALITY_OF = {"wan": "dit", "lm": "lm", "flux": "joint"}  # the miniature each speed part pairs with
+PARTS = ("quality", "wan", "lm", "flux", "qwen-image", "hunyuanvideo", "wan2.2")
+SPEED_PARTS = ("wan", "lm")  # `--parts speed`; the families' parts by name (the joint ones pair with --kinds joint)
+# the miniature each speed part pairs with
+QUALITY_OF = {"wan": "dit", "lm": "lm", "flux": "joint", "qwen-image": "joint", "hunyuanvideo": "joint",
+              "wan2.2": "dit"}
+# the parts that time a whole diffusion forward by shape: (column name, the model timed)
+FORWARD_PARTS = {"wan": ("Wan", "Wan2.1-1.3B-shaped"), "flux": ("FLUX", "FLUX.1-dev-shaped"),
+                 "qwen-image": ("Qwen-Image", "Qwen-Image-shaped"), "hunyuanvideo": ("HunyuanVideo",
+                                                                                    "HunyuanVideo-shaped"),
+                 "wan2.2": ("Wan2.2", "Wan2.2-TI2V-5B-shaped")}
 # wan_forward.py --resolution's latents of 81 frames (channels 16, patch 1x2x2); --quick: tiny grids of two sizes
 WAN_LATENTS = {"480p": (21, 60, 100), "720p": (21, 90, 160)}
 TINY_WAN_LATENTS = {"480p": (3, 8, 8), "720p": (3, 8, 12)}
@@ -166,10 +176,10 @@ def quality(args, save) -> dict:
 # --- speed: the Wan forward and Llama generation of wan_forward.py and lm_generate.py ---------------------------
 
 
-def _ratio_speeds(setup, model, blocks, forwards: dict, result: dict, save, label: str) -> dict:
+def _ratio_speeds(setup, model, blocks, forwards: dict, result: dict, save, label: str, reps=WAN_REPS) -> dict:
     """Eager times of forwards[shape](variant) for `model` (result[shape]["original"]) and its conversion at each
     ratio (result[shape]["ratios"][ratio], with the speed-up), strategy spread, one converted copy in memory at a
-    time; a failure is recorded and the run goes on."""
+    time, `reps` = (warm-up forwards, timed forwards); a failure is recorded and the run goes on."""
     from mhla_convert import mhla_layers
 
     for ratio in (0.0, *RATIOS):
@@ -186,7 +196,7 @@ def _ratio_speeds(setup, model, blocks, forwards: dict, result: dict, save, labe
                 if made:
                     raise RuntimeError(made)
                 with torch.no_grad():
-                    row["ms"] = wan_forward._time(lambda: forward(variant), setup, *WAN_REPS)
+                    row["ms"] = wan_forward._time(lambda: forward(variant), setup, *reps)
             except Exception as e:  # noqa: BLE001 - recorded, and the run goes on
                 traceback.print_exc()
                 row["error"] = _error(e)
@@ -248,6 +258,43 @@ def flux_speed(args, save) -> dict:
     return _ratio_speeds(setup, model, blocks, forwards, result, save, "flux")
 
 
+def _one_shape_speed(args, save, part: str, case, shape: str, layers, reps=WAN_REPS) -> dict:
+    """{shape: {tokens, text_tokens, original_ms, ratios: …}} as `wan_speed`'s, for one of wan_forward.py's
+    `*_case` models (model, call, blocks, tokens, text tokens) at its one shape; `layers(config)`: its attentions."""
+    setup = wan_forward.Setup(tiny=args.quick)
+    model, call, blocks, tokens, text = case(setup)
+    result = {shape: {"tokens": tokens, "text_tokens": text, "layers": layers(model.config), "blocks": list(blocks),
+                      "ratios": {}}}
+    return _ratio_speeds(setup, model, blocks, {shape: call}, result, save, part, reps)
+
+
+def qwen_image_speed(args, save) -> dict:
+    """A Qwen-Image-shaped transformer (60 dual-stream blocks, each one joint attention) at 1328²."""
+    return _one_shape_speed(args, save, "qwen-image", wan_forward.qwen_image_case, "1328²", lambda c: c.num_layers)
+
+
+def hunyuanvideo_speed(args, save) -> dict:
+    """A HunyuanVideo-shaped transformer (20 dual- and 40 single-stream blocks) at 720p x 129 frames; one warm-up and
+    one timed forward per ratio (the original's takes about 30 s)."""
+    return _one_shape_speed(args, save, "hunyuanvideo", wan_forward.hunyuanvideo_case, "720p×129",
+                            lambda c: c.num_layers + c.num_single_layers, reps=WAN_REPS if args.quick else (1, 1))
+
+
+def wan22_speed(args, save) -> dict:
+    """A Wan2.2-TI2V-5B-shaped transformer (30 blocks) at its 720p, 121x704x1280 (27,280 tokens), 512 prompt
+    tokens."""
+    setup = wan_forward.Setup(tiny=args.quick, ti2v=True)
+    model = wan_forward._wan(setup)
+    cfg, latents = model.config, (3, 8, 8) if args.quick else wan_forward.WAN22_TI2V_LATENTS
+    blocks = (3, 2, 2) if args.quick else wan_forward.WAN_BLOCKS
+    x, text = setup.randn(1, cfg.in_channels, *latents), setup.randn(1, 8 if args.quick else 512, cfg.text_dim)
+    t, p = torch.tensor([500], device=setup.device), cfg.patch_size
+    result = {"720p": {"latents": list(latents), "tokens": latents[0] * (latents[1] // p[1]) * (latents[2] // p[2]),
+                       "layers": cfg.num_layers, "blocks": list(blocks), "ratios": {}}}
+    return _ratio_speeds(setup, model, blocks, {"720p": lambda m: m(x, t, text, return_dict=False)}, result, save,
+                         "wan2.2")
+
+
 def lm_speed(args, save) -> dict:
     """{model, prompts: {prompt: {original: lm_generate row, ratios: {ratio: row + speed-ups}}}}."""
     from mhla_convert import convert
@@ -304,6 +351,7 @@ def _prompt_label(prompt: int) -> str:
 
 
 KIND_NAMES = {"dit": "DiT", "lm": "LM", "joint": "Joint"}
+LATER_NAMES = [name for part, (name, _) in FORWARD_PARTS.items() if part != "wan"]  # (the layers column's order)
 
 
 def columns(data: dict) -> list[tuple[str, str, str]]:
@@ -311,15 +359,16 @@ def columns(data: dict) -> list[tuple[str, str, str]]:
     ones')."""
     ran = {part for part in PARTS if data.get(part)} or {"quality", *SPEED_PARTS}
     paired = [QUALITY_OF[part] for part in PARTS[1:] if part in ran]  # (the miniatures the speed parts pair with)
-    kinds = list(data.get("quality") or sorted(paired, key=list(KIND_NAMES).index))
+    kinds = list(data.get("quality") or sorted(set(paired), key=list(KIND_NAMES).index))
     cols = [(f"{KIND_NAMES[kind]} gap", "quality", kind) for kind in kinds]
-    if "wan" in ran:
-        cols += [(f"Wan {res}", "wan", res) for res in (data.get("wan") or WAN_LATENTS)]
-    if "lm" in ran:
-        prompts = list((data.get("lm") or {}).get("prompts") or (8192, 32768))
-        cols += [(f"LM {step} {_prompt_label(int(p))}", "lm", f"{step}:{p}") for step in ("decode", "prefill")
-                 for p in prompts]
-    cols += [(f"FLUX {size}", "flux", size) for size in (data.get("flux") or {})]
+    for part in PARTS[1:]:
+        if part == "lm" and "lm" in ran:
+            prompts = list((data.get("lm") or {}).get("prompts") or (8192, 32768))
+            cols += [(f"LM {step} {_prompt_label(int(p))}", "lm", f"{step}:{p}") for step in ("decode", "prefill")
+                     for p in prompts]
+        elif part in FORWARD_PARTS and part in ran:
+            shapes = data.get(part) or (WAN_LATENTS if part == "wan" else {})
+            cols += [(f"{FORWARD_PARTS[part][0]} {shape}", part, shape) for shape in shapes]
     return cols
 
 
@@ -336,7 +385,7 @@ def frontier_rows(data: dict) -> list[dict]:
             row[f"quality:{kind}:transfer"] = v and v["transfer"]
             if v:
                 layers[KIND_NAMES[kind]] = f"{len(v['converted_layers'])}/{res['layers']}"
-        for part, name in (("wan", "Wan"), ("flux", "FLUX")):
+        for part, (name, _) in FORWARD_PARTS.items():
             for res, shape in (data.get(part) or {}).items():
                 v = shape["ratios"].get(key, {})
                 row[f"{part}:{res}"] = v.get("speedup")
@@ -347,7 +396,7 @@ def frontier_rows(data: dict) -> list[dict]:
             row[f"lm:decode:{prompt}"], row[f"lm:prefill:{prompt}"] = v.get("decode_speedup"), v.get("prefill_speedup")
             if "converted_layers" in v and "Llama" not in layers:
                 layers["Llama"] = f"{len(v['converted_layers'])}/{data['lm']['layers']}"
-        row["layers"] = {name: layers[name] for name in ("DiT", "LM", "Joint", "Wan", "Llama", "FLUX")
+        row["layers"] = {name: layers[name] for name in ("DiT", "LM", "Joint", "Wan", "Llama", *LATER_NAMES)
                          if name in layers}
         rows.append(row)
     return rows
@@ -379,14 +428,11 @@ def table(data: dict) -> str:
                          f"{row['ratio']:g}: {_cell(row.get(f'quality:{kind}:step0'), 'quality')} / "
                          f"{_cell(row.get(f'quality:{kind}:transfer'), 'quality')}" for row in rows) for kind in q)
                      + ".")
-    if data.get("wan"):
-        notes.append("Wan: Wan2.1-1.3B-shaped whole forward, eager, original ms / converted ms (strategy spread); "
-                     "originals " + ", ".join(f"{res} ({s['tokens']:,} tokens) {_ms(s.get('original_ms'))}"
-                                              for res, s in data["wan"].items()) + ".")
-    if data.get("flux"):
-        notes.append("FLUX: FLUX.1-dev-shaped whole forward, eager, original ms / converted ms (strategy spread); "
-                     "originals " + ", ".join(f"{size} ({s['tokens']:,} image + {s['text_tokens']} text tokens) "
-                                              f"{_ms(s.get('original_ms'))}" for size, s in data["flux"].items()) + ".")
+    for part, (name, model) in FORWARD_PARTS.items():
+        if data.get(part):
+            notes.append(f"{name}: {model} whole forward, eager, original ms / converted ms (strategy spread); "
+                         "originals " + ", ".join(f"{shape} ({_tokens(s)}) {_ms(s.get('original_ms'))}"
+                                     for shape, s in data[part].items()) + ".")
     lm = data.get("lm")
     if lm:
         originals = [(p, s.get("original", {})) for p, s in lm["prompts"].items()]
@@ -404,13 +450,18 @@ def table(data: dict) -> str:
     return "\n".join(["# Speed–quality frontier", "", *lines, "", *(f"- {n}" for n in notes)]) + "\n"
 
 
+def _tokens(shape: dict) -> str:
+    text = shape.get("text_tokens")
+    return f"{shape['tokens']:,} latent + {text} text tokens" if text else f"{shape['tokens']:,} tokens"
+
+
 def _ms(value, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f} ms"
 
 
 def errors(data: dict) -> list[tuple[str, str, str]]:
     out = []
-    for part in ("wan", "flux"):
+    for part in FORWARD_PARTS:
         for res, shape in (data.get(part) or {}).items():
             rows = {"original": shape.get("original", {}), **shape["ratios"]}
             out += [(f"{part} {res}", r, v["error"]) for r, v in rows.items() if "error" in v]
@@ -505,8 +556,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--parts", default="quality,speed",
-                        help="comma-separated: quality, wan, lm, flux, speed (= wan,lm); the speed parts need a "
-                             "GPU unless --quick")
+                        help=f"comma-separated: {', '.join(PARTS)}, speed (= wan,lm); the speed parts need a GPU "
+                             "unless --quick")
     parser.add_argument("--new-tokens", type=int, help="LM: new tokens per generation (default 256; --quick 8)")
     fidelity.add_training_arguments(parser)
     args = fidelity.settle_training(parser.parse_args(argv))
@@ -514,7 +565,7 @@ def main(argv: list[str] | None = None) -> dict:
     asked = {p.strip() for p in args.parts.split(",") if p.strip()}
     parts = [p for p in PARTS if p in asked or (p in SPEED_PARTS and "speed" in asked)]
     if not parts or asked - {*PARTS, "speed"}:
-        parser.error(f"--parts: expected a comma-separated list of quality, wan, lm, flux, speed; got {args.parts!r}")
+        parser.error(f"--parts: expected a comma-separated list of {', '.join(PARTS)}, speed; got {args.parts!r}")
     if set(parts) - {"quality"} and not args.quick and not torch.cuda.is_available():
         parser.error("the speed parts need a CUDA GPU; --quick runs tiny models on the CPU (or --parts quality)")
     if args.new_tokens is not None and args.new_tokens < 2:
@@ -536,7 +587,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.quick and part != "quality":
             torch.set_num_threads(1)  # tiny ops: threads only add overhead, and contention on a shared CPU
         try:
-            run = {"quality": quality, "wan": wan_speed, "lm": lm_speed, "flux": flux_speed}[part]
+            run = {"quality": quality, "wan": wan_speed, "lm": lm_speed, "flux": flux_speed,
+                   "qwen-image": qwen_image_speed, "hunyuanvideo": hunyuanvideo_speed, "wan2.2": wan22_speed}[part]
             run(args, lambda result, part=part: results.save(part, result))
         except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
             traceback.print_exc()

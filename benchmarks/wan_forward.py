@@ -65,6 +65,7 @@ WAN_CONFIG = dict(
     qk_norm="rms_norm_across_heads", eps=1e-6,
 )
 WAN22_TI2V_CONFIG = {**WAN_CONFIG, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336}
+WAN22_TI2V_LATENTS = (31, 44, 80)  # 121x704x1280 through the Wan2.2 VAE (4x16x16), before the 1x2x2 patches
 WAN_BLOCKS = (7, 3, 5)  # M = 105 over the 21x30x50 grid (and Wan2.2-TI2V's 31x22x40: blocks of 5x8x8 tokens)
 # FLUX.1-dev's transformer config (black-forest-labs/FLUX.1-dev, transformer/config.json)
 FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
@@ -250,7 +251,7 @@ def bench_wan(setup: Setup):
         x, blocks = setup.randn(1, cfg.in_channels, 3, 8, 8), (3, 2, 2)
     elif setup.ti2v:
         title = "Wan2.2-TI2V-5B-shaped, 121x704x1280 -> 31x22x40 = 27,280 tokens"
-        x, blocks = setup.randn(1, 48, 31, 44, 80), WAN_BLOCKS
+        x, blocks = setup.randn(1, cfg.in_channels, *WAN22_TI2V_LATENTS), WAN_BLOCKS
     elif setup.resolution == "720p":
         title = "Wan2.1-1.3B-shaped, 81x720x1280 -> 21x45x80 = 75,600 tokens"
         x, blocks = setup.randn(1, 16, 21, 90, 160), WAN_BLOCKS
@@ -359,10 +360,10 @@ def bench_flux(setup: Setup):
     return "tiny FLUX" if setup.tiny else "FLUX.1-dev-shaped (real config)", groups
 
 
-def bench_hunyuanvideo(setup: Setup):
-    """HunyuanVideo-shaped (the class defaults are its config) at 720p x 129 frames (33x90x160 latents, 33x45x80 video
-    tokens) with 256 prompt tokens: the original against every joint attention converted (11x5x5 video blocks, the
-    family's exact region, the text read exactly)."""
+def hunyuanvideo_case(setup: Setup):
+    """A HunyuanVideo-shaped transformer (the class defaults are its config) and its forward at 720p x 129 frames
+    (33x90x160 latents, 33x45x80 video tokens) with 256 prompt tokens: (model, call(model), video blocks for MHLA,
+    video tokens, text tokens)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
     with torch.device(setup.device):
@@ -373,17 +374,23 @@ def bench_hunyuanvideo(setup: Setup):
     prompt, pooled = setup.randn(1, text, cfg.text_embed_dim), setup.randn(1, cfg.pooled_projection_dim)
     mask = torch.ones(1, text, device=setup.device, dtype=torch.long)
     t, guidance = (torch.full((1,), v, device=setup.device, dtype=setup.dtype) for v in (500.0, 6000.0))
-    tokens = frames * (h // 2) * (w // 2)
+    return (model, lambda m: m(x, t, prompt, mask, pooled, guidance, return_dict=False), blocks,
+            frames * (h // 2) * (w // 2), text)
+
+
+def bench_hunyuanvideo(setup: Setup):
+    """The original against every joint attention converted (11x5x5 video blocks, the family's exact region, the
+    text read exactly), at `hunyuanvideo_case`'s shape."""
+    model, call, blocks, tokens, text = hunyuanvideo_case(setup)
     variants = {f"original, {tokens:,} video + {text} text tokens": model,
                 f"joint MHLA, M={blocks[0] * blocks[1] * blocks[2]}": _converted(model, setup, blocks=blocks)}
-    groups = [_measure(variants, lambda m: m(x, t, prompt, mask, pooled, guidance, return_dict=False), setup)]
+    groups = [_measure(variants, call, setup)]
     return "tiny HunyuanVideo" if setup.tiny else "HunyuanVideo-shaped (class defaults), 720p x 129 frames", groups
 
 
-def bench_qwen_image(setup: Setup):
-    """Qwen-Image-shaped (the class defaults are its config) at 1328² (83x83 packed tokens) with 512 prompt tokens:
-    the original against every joint attention converted (8x8 image blocks, the family's exact region, the text read
-    exactly)."""
+def qwen_image_case(setup: Setup):
+    """A Qwen-Image-shaped transformer (the class defaults are its config) and its forward at 1328² (83x83 packed
+    tokens) with 512 prompt tokens: (model, call(model), image blocks for MHLA, image tokens, text tokens)."""
     from diffusers import QwenImageTransformer2DModel
 
     with torch.device(setup.device):
@@ -392,9 +399,17 @@ def bench_qwen_image(setup: Setup):
     side, blocks = (8, (2, 2)) if setup.tiny else (83, (8, 8))
     x, prompt = setup.randn(1, side * side, cfg.in_channels), setup.randn(1, text, cfg.joint_attention_dim)
     t, shapes = setup.randn(1).abs().clamp(max=1), [[(1, side, side)]]
+    return model, lambda m: m(x, prompt, None, t, shapes, return_dict=False), blocks, side * side, text
+
+
+def bench_qwen_image(setup: Setup):
+    """The original against every joint attention converted (8x8 image blocks, the family's exact region, the text
+    read exactly), at `qwen_image_case`'s shape."""
+    model, call, blocks, tokens, text = qwen_image_case(setup)
+    side = round(tokens**0.5)
     variants = {f"original, {side}x{side} + {text} text tokens": model,
                 f"joint MHLA, M={blocks[0] * blocks[1]}": _converted(model, setup, blocks=blocks)}
-    groups = [_measure(variants, lambda m: m(x, prompt, None, t, shapes, return_dict=False), setup)]
+    groups = [_measure(variants, call, setup)]
     return "tiny Qwen-Image" if setup.tiny else "Qwen-Image-shaped (class defaults), 1328²", groups
 
 

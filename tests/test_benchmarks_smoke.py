@@ -380,6 +380,24 @@ def test_frontier_quick_joint_miniature_and_flux(load, tmp_path):
     assert [saved["flux"]["1024²"]["ratios"][str(r)]["converted_layers"] for r in frontier.RATIOS] == [1, 2, 2, 3]
 
 
+def test_frontier_quick_family_speed_parts(load, tmp_path):
+    """Qwen-Image, HunyuanVideo and Wan2.2 timed by ratio: a column each, every row filled, the layers each
+    converts; without the quality part the table still names the miniatures they pair with."""
+    frontier = load("frontier")
+    frontier.main(["--quick", "--parts", "qwen-image,hunyuanvideo,wan2.2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "frontier.json").read_text())
+    assert [name for name, _, _ in frontier.columns(saved)] == [
+        "DiT gap", "Joint gap", "Qwen-Image 1328²", "HunyuanVideo 720p×129", "Wan2.2 720p"]
+    assert not frontier.errors(saved) and set(saved["runs"]) == {"qwen-image", "hunyuanvideo", "wan2.2"}
+    for row in saved["frontier"]:
+        assert all(isinstance(row[key], float) for key in ("qwen-image:1328²", "hunyuanvideo:720p×129",
+                                                           "wan2.2:720p")), row
+        assert set(row["layers"]) == {"Qwen-Image", "HunyuanVideo", "Wan2.2"}
+    layers = {part: [saved[part][shape]["ratios"][str(r)]["converted_layers"] for r in frontier.RATIOS]
+              for part, shape in (("qwen-image", "1328²"), ("hunyuanvideo", "720p×129"), ("wan2.2", "720p"))}
+    assert layers == {"qwen-image": [0, 1, 2, 2], "hunyuanvideo": [1, 2, 2, 3], "wan2.2": [1, 2, 2, 3]}
+
+
 def test_frontier_trains_ratios_of_equal_layers_once(load, tmp_path, monkeypatch):
     """3 layers: ratios 0.5 and 0.75 both convert 2 of them, so one training serves both rows."""
     frontier = load("frontier")
