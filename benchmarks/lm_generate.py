@@ -3,10 +3,11 @@
     python benchmarks/lm_generate.py [--models llama,qwen3] [--variants original,mhla,hybrid]
         [--prompts 8192,32768] [--batches 1,8] [--new-tokens 256] [--out DIR] [--tiny]
 
-Models: Llama-3.2-1B- and Qwen3-1.7B-shaped, built from their hub `config.json` (written out below; no
-download) with random weights, bf16, `attn_implementation="sdpa"`. Variants: `original`; `mhla`, every
-self-attention converted with `mhla_convert.convert(model, ratio=1.0)` (the family's defaults; `--mhla-option
-KEY=VALUE` changes one); `hybrid`, `ratio=0.5` (every other layer).
+Models: Llama-3.2-1B- and Qwen3-1.7B-shaped (the default), and by name Gemma-3-1B- (`gemma3`: five sliding-window
+layers to each global one) and Qwen3-30B-A3B-shaped (`qwen3-moe`: 128 experts, about 61 GB in bf16), built from their
+hub `config.json` (written out below; no download) with random weights, bf16, `attn_implementation="sdpa"`.
+Variants: `original`; `mhla`, every self-attention converted with `mhla_convert.convert(model, ratio=1.0)` (the
+family's defaults; `--mhla-option KEY=VALUE` changes one); `hybrid`, `ratio=0.5` (every other layer).
 
 Every variant decodes on the same path, transformers' static-cache recipe: a `StaticCache` sized for the
 prompt and the new tokens, the prompt in one eager forward (as `generate()` runs it), then one greedy token
@@ -39,7 +40,7 @@ numbers go to DIR/lm_generate.json after every configuration (rows of earlier ru
 unless measured again) and the table of all its rows to DIR/lm_generate.md. A configuration that fails (out
 of memory, a compile error) is recorded with its error and the run goes on.
 
-`--tiny`: 2-layer, 64-wide versions of both models on the CPU in float32, prompts 64 and 128, 8 new tokens,
+`--tiny`: 2-3-layer, 64-wide versions of the models on the CPU in float32, prompts 64 and 128, 8 new tokens,
 no compile (`--compile eager` traces the step with dynamo alone), perf_counter timings: a smoke run.
 """
 
@@ -78,6 +79,23 @@ CONFIGS = {
         num_key_value_heads=8, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000, sliding_window=None,
         tie_word_embeddings=True, use_cache=True, use_sliding_window=False, vocab_size=151936,
     )),
+    "gemma3": ("Gemma-3-1B", dict(  # google/gemma-3-1b-pt: 5 sliding-window layers (512 tokens) to each global one
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        attn_logit_softcapping=None, final_logit_softcapping=None, head_dim=256,
+        hidden_activation="gelu_pytorch_tanh", hidden_size=1152, initializer_range=0.02, intermediate_size=6912,
+        max_position_embeddings=32768, num_attention_heads=4, num_hidden_layers=26, num_key_value_heads=1,
+        query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_local_base_freq=10000.0, rope_scaling=None,
+        rope_theta=1000000.0, sliding_window=512, sliding_window_pattern=6, use_cache=True, vocab_size=262144,
+    )),
+    "qwen3-moe": ("Qwen3-30B-A3B", dict(  # 128 experts, 8 a token: the attention converts, the experts stay
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        decoder_sparse_step=1, head_dim=128, hidden_act="silu", hidden_size=2048, initializer_range=0.02,
+        intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
+        moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4, output_router_logits=False,
+        rms_norm_eps=1e-6, rope_scaling=None, rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None,
+        tie_word_embeddings=False, use_cache=True, use_sliding_window=False, vocab_size=151936,
+    )),
 }
 # --tiny: the same configs, narrow and shallow (Qwen3 keeps head_dim != hidden / heads)
 TINY = {
@@ -85,6 +103,12 @@ TINY = {
                   num_key_value_heads=2, head_dim=16, vocab_size=256),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=24, vocab_size=256, max_window_layers=2),
+    "gemma3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=256, sliding_window=128,
+                   sliding_window_pattern=3),
+    "qwen3-moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                      vocab_size=256, max_window_layers=2),
 }
 VARIANTS = {"original": None, "mhla": 1.0, "hybrid": 0.5}  # variant -> convert(ratio=...)
 WARMUP_STEPS = 5  # decoding steps of the warm-up: CUDA graph trees run, record, then replay
@@ -116,7 +140,7 @@ def _option(text):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", type=_csv(str, CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--models", type=_csv(str, CONFIGS), default=["llama", "qwen3"])
     ap.add_argument("--variants", type=_csv(str, VARIANTS), default=list(VARIANTS))
     ap.add_argument("--prompts", type=_csv(int), help="prompt lengths (default 8192,32768; --tiny: 64,128)")
     ap.add_argument("--batches", type=_csv(int), default=[1, 8])

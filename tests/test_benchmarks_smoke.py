@@ -70,6 +70,19 @@ def test_lm_generate_tiny_matrix(load, tmp_path, capsys):
             == ("qwen3", "original", 64, 1)] == [1]
 
 
+def test_lm_generate_tiny_gemma3_and_qwen3_moe(load, tmp_path):
+    """The families by name: Gemma 3 (sliding and global layers) and Qwen3-MoE, original and converted, each
+    decoding as generate() does."""
+    rows = load("lm_generate").main(["--tiny", "--models", "gemma3,qwen3-moe", "--variants", "original,mhla",
+                                     "--prompts", "64", "--batches", "1", "--out", str(tmp_path)])["rows"]
+    assert [(r["model"], r["variant"]) for r in rows] == [("gemma3", "original"), ("gemma3", "mhla"),
+                                                          ("qwen3-moe", "original"), ("qwen3-moe", "mhla")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["same_tokens_as_generate"] and r["max_logit_diff_vs_generate"] < 1e-5, r
+    assert [len(r["converted_layers"]) for r in rows] == [0, 3, 0, 2]
+
+
 def test_profiler_reading_runs(load):
     """The profiler path of the GPU run, on the CPU: no device intervals, so no GPU time."""
     assert load("lm_generate").profiled_gpu_ms(lambda: torch.ones(4).add_(1), cuda=False) is None
