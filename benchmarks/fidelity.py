@@ -36,7 +36,8 @@ earlier (outside the exact region).
 Writes fidelity.json (every curve), fidelity.md (the tables), fidelity.png (the curves) and fidelity_summary.json
 (the gaps at step 0, after transfer and at the end, the truncation beside them, the recall) to --out. `--jobs N`
 trains N variants at once, each in its own process on the same GPU (the miniatures leave most of it idle).
-Needs scikit-learn for the digits (`--quick` draws random images instead) and matplotlib for the plot
+Needs scikit-learn for the digits (`--quick` draws random images instead; a run that has it keeps them in
+--out/digits.safetensors, from which a run into the same --out without it reads them) and matplotlib for the plot
 (`pip install -e ".[bench]"`).
 """
 
@@ -97,18 +98,30 @@ def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: flo
     save_file({"input_ids": torch.cat([spans, spans], 1)}, str(directory / "recall.safetensors"))
 
 
-def digits(quick: bool, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def digits(quick: bool, size: int, seed: int, copy: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits upsampled to (N, 1, size, size), in [-1, 1], and their class labels (`quick`: random
-    images, no scikit-learn)."""
+    images, no scikit-learn). The 8×8 originals are kept in `copy`, from which a machine without scikit-learn reads
+    them."""
     if quick:
         g = torch.Generator().manual_seed(seed)
         images, labels = torch.rand(200, 1, 8, 8, generator=g) * 16, torch.randint(0, 10, (200,), generator=g)
     else:
-        from sklearn.datasets import load_digits
-
-        loaded = load_digits()
-        images, labels = torch.tensor(loaded.images, dtype=torch.float32)[:, None], torch.tensor(loaded.target)
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError:
+            if not copy.exists():
+                raise SystemExit(f"the digits need scikit-learn (pip install scikit-learn) or {copy} from a run "
+                                 "that had it") from None
+            loaded = load_file(str(copy))
+            images, labels = loaded["images"], loaded["labels"]
+        else:
+            loaded = load_digits()
+            images, labels = torch.tensor(loaded.images, dtype=torch.float32)[:, None], torch.tensor(loaded.target)
+            save_file({"images": images, "labels": labels}, str(copy))
     return torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear"), labels
+
+
+DIGITS = "digits.safetensors"  # scikit-learn's digits, kept in --out (`digits`)
 
 
 def save_splits(directory: Path, columns: dict[str, torch.Tensor], seed: int) -> None:
@@ -119,8 +132,8 @@ def save_splits(directory: Path, columns: dict[str, torch.Tensor], seed: int) ->
 
 
 def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
-    """The digits at size × size with their class labels (`digits`)."""
-    images, labels = digits(quick, size, seed)
+    """The digits at size × size with their class labels (`digits`, their copy in the data's parent)."""
+    images, labels = digits(quick, size, seed, directory.parent.parent / DIGITS)
     save_splits(directory, {"latents": images, "class_labels": labels.long()}, seed)
 
 
@@ -128,7 +141,7 @@ def joint_data(directory: Path, quick: bool, config: dict, size: int, seed: int 
     """The digits as (C, size, size) latents (each channel the image), for an MM-DiT of `config`: the class as `text`
     prompt-embedding tokens, a fixed random draw per class. The pooled embedding is one draw for every class, so the
     class reaches the image only through joint attention to the text."""
-    images, labels = digits(quick, size, seed)
+    images, labels = digits(quick, size, seed, directory.parent.parent / DIGITS)
     g = torch.Generator().manual_seed(seed + 2)
     prompts = torch.randn(10, text, config["joint_attention_dim"], generator=g)
     pooled = torch.randn(1, config["pooled_projection_dim"], generator=g).expand(10, -1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -302,6 +302,18 @@ def test_exact_blocks_tiles_sweeps_the_settings_in_use(load):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             tiles.main([])
+
+
+def test_fidelity_digits_from_the_copy_a_run_kept(load, tmp_path, monkeypatch):
+    """Without scikit-learn the digits come from --out/digits.safetensors, or a one-line error says what to do."""
+    fid = load("fidelity")
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # (import fails, as on a machine without it)
+    copy = tmp_path / fid.DIGITS
+    with pytest.raises(SystemExit, match="need scikit-learn"):
+        fid.digits(False, 16, 0, copy)
+    save_file({"images": torch.arange(3 * 64.0).view(3, 1, 8, 8) % 17, "labels": torch.tensor([4, 0, 9])}, str(copy))
+    images, labels = fid.digits(False, 16, 0, copy)
+    assert images.shape == (3, 1, 16, 16) and images.min() >= -1 and images.max() <= 1 and labels.tolist() == [4, 0, 9]
 
 
 def test_fidelity_quick_joint_miniature(load, tmp_path):
