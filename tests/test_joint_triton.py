@@ -62,6 +62,18 @@ def test_bf16_matches_the_torch_path(name):
     torch.testing.assert_close(out.float(), ref, rtol=3e-2, atol=3e-2)
 
 
+@run
+@pytest.mark.parametrize("name", ["2d-batch", "2d-gqa-per-head-padded"])
+def test_text_queries_that_ignore_the_text(name):
+    """m_MM = 0 (shared, and for every head of a per-head mixing): the text queries read the image's summaries
+    alone."""
+    tensors, options = _inputs(CASES[name])
+    tensors[3][..., -1, -1] = 0
+    out = joint_attention(*tensors, backend="triton", **options)
+    ref = joint_attention(*tensors, backend="torch", **options)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 @gpu
 def test_flux_sized_bf16():
     """FLUX.1 at 1024²: 64x64 image tokens in 8x8 blocks, the neighbourhood exact, 512 text tokens, 24 heads of 128."""
