@@ -98,7 +98,7 @@ def lm_data(directory: Path, context: int, max_train_tokens: int, copy_rows: flo
     save_file({"input_ids": torch.cat([spans, spans], 1)}, str(directory / "recall.safetensors"))
 
 
-def digits(quick: bool, size: int, seed: int, copy: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def digits(quick: bool, size: int, seed: int, copy: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits upsampled to (N, 1, size, size), in [-1, 1], and their class labels (`quick`: random
     images, no scikit-learn). The 8×8 originals are kept in `copy`, from which a machine without scikit-learn reads
     them."""
@@ -109,15 +109,16 @@ def digits(quick: bool, size: int, seed: int, copy: Path) -> tuple[torch.Tensor,
         try:
             from sklearn.datasets import load_digits
         except ImportError:
-            if not copy.exists():
-                raise SystemExit(f"the digits need scikit-learn (pip install scikit-learn) or {copy} from a run "
-                                 "that had it") from None
+            if copy is None or not copy.exists():
+                kept = "" if copy is None else f" or {copy} from a run that had it"
+                raise SystemExit(f"the digits need scikit-learn (pip install scikit-learn){kept}") from None
             loaded = load_file(str(copy))
             images, labels = loaded["images"], loaded["labels"]
         else:
             loaded = load_digits()
             images, labels = torch.tensor(loaded.images, dtype=torch.float32)[:, None], torch.tensor(loaded.target)
-            save_file({"images": images, "labels": labels}, str(copy))
+            if copy is not None:
+                save_file({"images": images, "labels": labels}, str(copy))
     return torch.nn.functional.interpolate(images.div(8.0).sub(1.0), size=(size, size), mode="bilinear"), labels
 
 
@@ -131,17 +132,18 @@ def save_splits(directory: Path, columns: dict[str, torch.Tensor], seed: int) ->
         save_file({k: v[mask].contiguous() for k, v in columns.items()}, str(directory / f"{split}.safetensors"))
 
 
-def dit_data(directory: Path, quick: bool, size: int, seed: int = 0) -> None:
-    """The digits at size × size with their class labels (`digits`, their copy in the data's parent)."""
-    images, labels = digits(quick, size, seed, directory.parent.parent / DIGITS)
+def dit_data(directory: Path, quick: bool, size: int, seed: int = 0, copy: Path | None = None) -> None:
+    """The digits at size × size with their class labels (`digits`, kept in `copy`)."""
+    images, labels = digits(quick, size, seed, copy)
     save_splits(directory, {"latents": images, "class_labels": labels.long()}, seed)
 
 
-def joint_data(directory: Path, quick: bool, config: dict, size: int, seed: int = 0, text: int = 8) -> None:
-    """The digits as (C, size, size) latents (each channel the image), for an MM-DiT of `config`: the class as `text`
-    prompt-embedding tokens, a fixed random draw per class. The pooled embedding is one draw for every class, so the
-    class reaches the image only through joint attention to the text."""
-    images, labels = digits(quick, size, seed, directory.parent.parent / DIGITS)
+def joint_data(directory: Path, quick: bool, config: dict, size: int, seed: int = 0, text: int = 8,
+               copy: Path | None = None) -> None:
+    """The digits (`digits`, kept in `copy`) as (C, size, size) latents (each channel the image), for an MM-DiT of
+    `config`: the class as `text` prompt-embedding tokens, a fixed random draw per class. The pooled embedding is one
+    draw for every class, so the class reaches the image only through joint attention to the text."""
+    images, labels = digits(quick, size, seed, copy)
     g = torch.Generator().manual_seed(seed + 2)
     prompts = torch.randn(10, text, config["joint_attention_dim"], generator=g)
     pooled = torch.randn(1, config["pooled_projection_dim"], generator=g).expand(10, -1)
@@ -158,9 +160,9 @@ def write_data(kind: str, mini: Miniature, root: Path, args) -> None:
         lm_data(directory, 64 if args.quick else 1024, 20_000 if args.quick else 24_000_000, args.copy_rows,
                 args.seed)
     elif kind == "joint":
-        joint_data(directory, args.quick, mini.config, mini.latent_size, args.seed)
+        joint_data(directory, args.quick, mini.config, mini.latent_size, args.seed, copy=root / DIGITS)
     else:
-        dit_data(directory, args.quick, mini.config["sample_size"], args.seed)
+        dit_data(directory, args.quick, mini.config["sample_size"], args.seed, copy=root / DIGITS)
 
 
 # --- the miniatures --------------------------------------------------------------------------------

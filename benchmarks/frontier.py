@@ -215,46 +215,42 @@ def _ratio_speeds(setup, model, blocks, forwards: dict, result: dict, save, labe
     return result
 
 
-def wan_speed(args, save) -> dict:
-    """{resolution: {tokens, original_ms, ratios: {ratio: {layers, ms, speedup}}}}, eager forwards."""
-    setup = wan_forward.Setup(tiny=args.quick)
+def wan_speed(args, save, ti2v: bool = False) -> dict:
+    """{resolution: {tokens, original_ms, ratios: {ratio: {layers, ms, speedup}}}}, eager forwards of the Wan2.1-1.3B
+    shape at 480p and 720p, or (`ti2v`) of the Wan2.2-TI2V-5B shape at its 720p."""
+    setup = wan_forward.Setup(tiny=args.quick, ti2v=ti2v)
     model = wan_forward._wan(setup)
     cfg = model.config
     blocks = (3, 2, 2) if args.quick else wan_forward.WAN_BLOCKS
     text = setup.randn(1, 8 if args.quick else 512, cfg.text_dim)
     t = torch.tensor([500], device=setup.device)
-    latents = TINY_WAN_LATENTS if args.quick else WAN_LATENTS
+    if ti2v:
+        latents = {"720p": (3, 8, 8) if args.quick else wan_forward.WAN22_TI2V_LATENTS}
+    else:
+        latents = TINY_WAN_LATENTS if args.quick else WAN_LATENTS
     inputs = {res: setup.randn(1, cfg.in_channels, *shape) for res, shape in latents.items()}
     p = cfg.patch_size
     result = {res: {"latents": list(shape), "tokens": shape[0] // p[0] * (shape[1] // p[1]) * (shape[2] // p[2]),
                     "layers": cfg.num_layers, "blocks": list(blocks), "ratios": {}} for res, shape in latents.items()}
     forwards = {res: (lambda m, x=x: m(x, t, text, return_dict=False)) for res, x in inputs.items()}
-    return _ratio_speeds(setup, model, blocks, forwards, result, save, "wan")
+    return _ratio_speeds(setup, model, blocks, forwards, result, save, "wan2.2" if ti2v else "wan")
+
+
+def wan22_speed(args, save) -> dict:
+    """`wan_speed` of a Wan2.2-TI2V-5B-shaped transformer (30 blocks) at its 720p, 121x704x1280 (27,280 tokens)."""
+    return wan_speed(args, save, ti2v=True)
 
 
 def flux_speed(args, save) -> dict:
     """{size: {tokens, original_ms, ratios: …}} as `wan_speed`'s, for a FLUX.1-dev-shaped transformer (19 dual- and
     38 single-stream blocks, each one joint attention) at 1024² and 2048² with 512 prompt tokens."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
     setup = wan_forward.Setup(tiny=args.quick)
-    with torch.device(setup.device):
-        config = wan_forward.TINY_FLUX if args.quick else wan_forward.FLUX_CONFIG
-        model = FluxTransformer2DModel(**config).to(setup.dtype).eval()
-    cfg, text = model.config, 8 if args.quick else 512
-    prompt, pooled = setup.randn(1, text, cfg.joint_attention_dim), setup.randn(1, cfg.pooled_projection_dim)
-    t, guidance = torch.full((1,), 0.5, device=setup.device), torch.full((1,), 3.5, device=setup.device)
-    txt_ids = torch.zeros(text, 3, device=setup.device, dtype=setup.dtype)
+    model, at, text = wan_forward.flux_case(setup)
+    cfg = model.config
     sides, blocks = ({"1024²": 8, "2048²": 16}, (2, 2)) if args.quick else ({"1024²": 64, "2048²": 128}, (8, 8))
     result = {size: {"tokens": side * side, "text_tokens": text, "layers": cfg.num_layers + cfg.num_single_layers,
                      "blocks": list(blocks), "ratios": {}} for size, side in sides.items()}
-
-    def forward(side):
-        x = setup.randn(1, side * side, cfg.in_channels)
-        ids = FluxPipeline._prepare_latent_image_ids(1, side, side, setup.device, setup.dtype)
-        return lambda m: m(x, prompt, pooled, t, ids, txt_ids, guidance, return_dict=False)
-
-    forwards = {size: forward(side) for size, side in sides.items()}
+    forwards = {size: at(side) for size, side in sides.items()}
     return _ratio_speeds(setup, model, blocks, forwards, result, save, "flux")
 
 
@@ -278,21 +274,6 @@ def hunyuanvideo_speed(args, save) -> dict:
     one timed forward per ratio (the original's takes about 30 s)."""
     return _one_shape_speed(args, save, "hunyuanvideo", wan_forward.hunyuanvideo_case, "720p×129",
                             lambda c: c.num_layers + c.num_single_layers, reps=WAN_REPS if args.quick else (1, 1))
-
-
-def wan22_speed(args, save) -> dict:
-    """A Wan2.2-TI2V-5B-shaped transformer (30 blocks) at its 720p, 121x704x1280 (27,280 tokens), 512 prompt
-    tokens."""
-    setup = wan_forward.Setup(tiny=args.quick, ti2v=True)
-    model = wan_forward._wan(setup)
-    cfg, latents = model.config, (3, 8, 8) if args.quick else wan_forward.WAN22_TI2V_LATENTS
-    blocks = (3, 2, 2) if args.quick else wan_forward.WAN_BLOCKS
-    x, text = setup.randn(1, cfg.in_channels, *latents), setup.randn(1, 8 if args.quick else 512, cfg.text_dim)
-    t, p = torch.tensor([500], device=setup.device), cfg.patch_size
-    result = {"720p": {"latents": list(latents), "tokens": latents[0] * (latents[1] // p[1]) * (latents[2] // p[2]),
-                       "layers": cfg.num_layers, "blocks": list(blocks), "ratios": {}}}
-    return _ratio_speeds(setup, model, blocks, {"720p": lambda m: m(x, t, text, return_dict=False)}, result, save,
-                         "wan2.2")
 
 
 def lm_speed(args, save) -> dict:

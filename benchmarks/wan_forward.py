@@ -333,9 +333,9 @@ def bench_sana(setup: Setup):
     return "tiny SANA" if setup.tiny else "SANA-1600M-shaped (class defaults)", groups
 
 
-def bench_flux(setup: Setup):
-    """FLUX.1-dev-shaped at 1024² and 2048² (64x64 and 128x128 packed tokens) with 512 prompt tokens: the original
-    against every joint attention converted (8x8 image blocks, the family's exact region, the text read exactly)."""
+def flux_case(setup: Setup):
+    """A FLUX.1-dev-shaped transformer (its real config) with 512 prompt tokens: (model, at(side) → call(model) of
+    its forward at side x side packed tokens, text tokens)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     with torch.device(setup.device):
@@ -344,17 +344,26 @@ def bench_flux(setup: Setup):
     prompt, pooled = setup.randn(1, text, cfg.joint_attention_dim), setup.randn(1, cfg.pooled_projection_dim)
     t, guidance = setup.randn(1).abs().clamp(max=1), torch.full((1,), 3.5, device=setup.device, dtype=setup.dtype)
     txt_ids = torch.zeros(text, 3, device=setup.device, dtype=setup.dtype)
+
+    def at(side: int):
+        x = setup.randn(1, side * side, cfg.in_channels)
+        img_ids = FluxPipeline._prepare_latent_image_ids(1, side, side, setup.device, setup.dtype)
+        return lambda m: m(x, prompt, pooled, t, img_ids, txt_ids, guidance, return_dict=False)
+
+    return model, at, text
+
+
+def bench_flux(setup: Setup):
+    """FLUX.1-dev-shaped at 1024² and 2048² (64x64 and 128x128 packed tokens) with 512 prompt tokens: the original
+    against every joint attention converted (8x8 image blocks, the family's exact region, the text read exactly)."""
+    model, at, text = flux_case(setup)
     # (px, token side, blocks): M = 64 (tiny: 4 and 16)
     sizes = ((1024, 8, (2, 2)), (2048, 16, (4, 4))) if setup.tiny else ((1024, 64, (8, 8)), (2048, 128, (8, 8)))
     groups = []
     for px, side, blocks in sizes:
-        x = setup.randn(1, side * side, cfg.in_channels)
-        img_ids = FluxPipeline._prepare_latent_image_ids(1, side, side, setup.device, setup.dtype)
         mhla = _converted(model, setup, blocks=blocks)
         groups.append(_measure({f"{px}² original, {side}x{side} + {text} text tokens": model,
-                                f"{px}² joint MHLA, M={blocks[0] * blocks[1]}": mhla},
-                               lambda m: m(x, prompt, pooled, t, img_ids, txt_ids, guidance, return_dict=False),
-                               setup))
+                                f"{px}² joint MHLA, M={blocks[0] * blocks[1]}": mhla}, at(side), setup))
         del mhla
         torch._dynamo.reset()  # the next size compiles afresh
     return "tiny FLUX" if setup.tiny else "FLUX.1-dev-shaped (real config)", groups
